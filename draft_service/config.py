@@ -1,0 +1,61 @@
+"""Typed configuration of the draft service (built by the CLI or tests; no
+environment reads at import time)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdec.grpc_util import DEFAULT_MAX_MESSAGE_BYTES
+
+
+@dataclass
+class DrafterSpec:
+    name: str  # the name clients select with CreateDraftSessionRequest.drafter
+    model: str  # a model spec for specdec.models.resolve, or a local HF directory
+    precision: str = "int4"  # ONNX export precision: int4 | int8 | fp32 (fp16/bf16 on cuda)
+    onnx_dir: Path | None = None  # a ready export (holds model.onnx); skips resolve + export
+
+
+@dataclass
+class DraftServiceConfig:
+    drafters: list[DrafterSpec] = field(default_factory=list)
+    default_drafter: str | None = None  # None = the first drafter
+    host: str = "127.0.0.1"
+    port: int = 50052  # 0 = pick a free port
+    max_sessions: int = 256
+    max_span: int = 16  # largest num_tokens (γ) per Propose
+    max_support: int = 64  # largest sparse q per drafted position (top-K truncation)
+    intra_op_threads: int = 0  # onnxruntime intra-op threads; 0 = onnxruntime's default (all cores)
+    allow_spinning: bool = True  # onnxruntime worker spin-wait (lower latency, burns idle CPU)
+    execution: str = "auto"  # auto | cpu | cuda
+    cache_dir: Path | None = None  # model + ONNX cache; None = specdec.models.default_cache_dir()
+    session_ttl_s: float = 600.0  # idle sessions are reaped after this
+    max_cache_tokens: int = 0  # per-session KV limit; 0 = the model's context length
+    max_queue: int = 256  # pending model jobs before RESOURCE_EXHAUSTED
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    warmup: bool = True
+
+    def resolved_cache_dir(self) -> Path:
+        if self.cache_dir is not None:
+            return Path(self.cache_dir).expanduser()
+        from specdec.models import default_cache_dir
+
+        return default_cache_dir()
+
+    def validate(self) -> None:
+        if not self.drafters:
+            raise ValueError("the draft service needs at least one drafter")
+        names = [d.name for d in self.drafters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"drafter names must be unique: {names}")
+        if self.default_drafter is not None and self.default_drafter not in names:
+            raise ValueError(f"default_drafter {self.default_drafter!r} is not one of {names}")
+        if self.max_span < 1 or self.max_support < 1 or self.max_sessions < 1:
+            raise ValueError("max_span, max_support and max_sessions must be >= 1")
+        if self.execution not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"execution must be auto, cpu or cuda, got {self.execution!r}")
+
+    @property
+    def default_name(self) -> str:
+        return self.default_drafter or self.drafters[0].name

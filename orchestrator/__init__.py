@@ -1,0 +1,1 @@
+"""The orchestrator: the public API and the draft → verify loop."""

@@ -1,0 +1,124 @@
+"""gRPC implementations of the decode loop's ``TargetClient`` and ``DraftClient``."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import grpc
+import numpy as np
+
+from orchestrator.decode import PrefillReply, ProposeReply, SparseQ, VerifyReply
+from specdec.errors import from_rpc_error
+from specdec.grpc_util import channel_options
+from specdec.sampling import SamplingConfig
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+
+def sampling_proto(cfg: SamplingConfig) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    if cfg.seed is not None:
+        msg.seed = cfg.seed
+    return msg
+
+
+def make_channel(address: str, max_message_bytes: int) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+
+
+class GrpcTargetClient:
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.stub = target_pb2_grpc.TargetStub(channel)
+
+    async def info(self, timeout: float | None = None) -> common_pb2.ModelInfo:
+        try:
+            return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "target") from None
+
+    async def prefill(
+        self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int, timeout: float | None
+    ) -> PrefillReply:
+        req = target_pb2.PrefillRequest(
+            token_ids=token_ids, sampling=sampling_proto(cfg), sample_next_token=sample_next, rng_offset=rng_offset
+        )
+        try:
+            r = await self.stub.Prefill(req, timeout=timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "target") from None
+        return PrefillReply(
+            r.session_id,
+            r.next_token_id if r.has_next_token else None,
+            r.next_token_logit_gap,
+            r.cache_len,
+            r.timings.compute_ms,
+        )
+
+    async def verify(
+        self,
+        session_id: str,
+        cache_len: int,
+        new_ids: Sequence[int],
+        draft_ids: Sequence[int],
+        q: Sequence[SparseQ],
+        timeout: float | None,
+    ) -> VerifyReply:
+        req = target_pb2.VerifyRequest(
+            session_id=session_id,
+            cache_len=cache_len,
+            new_token_ids=new_ids,
+            draft_token_ids=draft_ids,
+            draft_probs=[common_pb2.SparseDistribution(token_ids=ids.tolist(), probs=p.tolist()) for ids, p in q],
+        )
+        try:
+            r = await self.stub.Verify(req, timeout=timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "target") from None
+        return VerifyReply(
+            r.num_accepted, r.next_token_id, r.cache_len, list(r.logit_gaps), r.timings.compute_ms, r.timings.queue_ms
+        )
+
+    async def release(self, session_id: str, timeout: float | None) -> None:
+        try:
+            await self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "target") from None
+
+
+class GrpcDraftClient:
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.stub = draft_pb2_grpc.DraftStub(channel)
+
+    async def info(self, timeout: float | None = None) -> common_pb2.ModelInfo:
+        try:
+            return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "draft") from None
+
+    async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None) -> str:
+        req = draft_pb2.CreateDraftSessionRequest(sampling=sampling_proto(cfg), drafter=drafter)
+        try:
+            r = await self.stub.CreateSession(req, timeout=timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "draft") from None
+        return r.session_id
+
+    async def propose(
+        self, session_id: str, base_len: int, new_ids: Sequence[int], num_tokens: int, timeout: float | None
+    ) -> ProposeReply:
+        req = draft_pb2.ProposeRequest(
+            session_id=session_id, base_len=base_len, new_token_ids=new_ids, num_tokens=num_tokens
+        )
+        try:
+            r = await self.stub.Propose(req, timeout=timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "draft") from None
+        q = [
+            (np.asarray(d.token_ids, dtype=np.int64), np.asarray(d.probs, dtype=np.float32)) for d in r.probs
+        ]
+        return ProposeReply(list(r.token_ids), q, r.committed_len, r.timings.compute_ms)
+
+    async def release(self, session_id: str, timeout: float | None) -> None:
+        try:
+            await self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "draft") from None

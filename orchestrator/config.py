@@ -1,0 +1,29 @@
+"""Typed configuration of the orchestrator (built by the CLI)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class OrchestratorConfig:
+    target_address: str = "127.0.0.1:50053"
+    draft_address: str = "127.0.0.1:50052"  # "" = no draft service (target-only)
+    tokenizer: str = "qwen2.5-coder-1.5b-instruct"  # model spec whose tokenizer is used
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = pick a free port
+    cache_dir: Path | None = None
+    default_max_new_tokens: int = 256
+    max_new_tokens_limit: int = 4096
+    default_num_draft_tokens: int = 4  # γ for FIXED/AUTO when the request leaves it 0
+    max_num_draft_tokens: int = 16
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_prompt_chars: int = 1_000_000
+    max_concurrent_streams: int = 256
+    draft_timeout_s: float = 5.0  # one Propose call; past it the round runs target-only
+    draft_retry_after_rounds: int = 4  # rounds to wait before trying a failed draft again
+    target_timeout_s: float = 120.0  # one Verify/Prefill call (bounded by the client deadline)
+    release_timeout_s: float = 2.0
+    max_message_bytes: int = 8 * 1024 * 1024

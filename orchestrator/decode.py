@@ -1,0 +1,311 @@
+"""The per-request speculative decoding loop: prefill → propose → verify →
+commit, with fallback to target-only rounds when the draft fails and session
+rebuilds when the target loses one.
+
+The loop talks to the services through the small ``TargetClient`` and
+``DraftClient`` protocols, so it can be exercised without gRPC. The
+orchestrator holds the authoritative token sequence (``committed``); the
+services' KV caches are caches of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol, Sequence
+
+import numpy as np
+
+from orchestrator.policy import DraftLengthPolicy
+from specdec.errors import DeadlineExceeded, InvalidArgument, NotFound, SpecdecError, Unavailable
+from specdec.logging_util import log
+from specdec.sampling import SamplingConfig
+
+logger = logging.getLogger("specdec.orchestrator")
+
+SparseQ = tuple[np.ndarray, np.ndarray]
+
+
+# ----------------------------------------------------------------- protocols
+@dataclass(frozen=True)
+class PrefillReply:
+    session_id: str
+    next_token: int | None
+    logit_gap: float
+    cache_len: int
+    compute_ms: float
+
+
+@dataclass(frozen=True)
+class VerifyReply:
+    num_accepted: int
+    next_token: int
+    cache_len: int
+    logit_gaps: list[float]
+    compute_ms: float
+    queue_ms: float
+
+
+@dataclass(frozen=True)
+class ProposeReply:
+    token_ids: list[int]
+    q: list[SparseQ]
+    committed_len: int
+    compute_ms: float
+
+
+class TargetClient(Protocol):
+    async def prefill(
+        self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int, timeout: float | None
+    ) -> PrefillReply: ...
+
+    async def verify(
+        self,
+        session_id: str,
+        cache_len: int,
+        new_ids: Sequence[int],
+        draft_ids: Sequence[int],
+        q: Sequence[SparseQ],
+        timeout: float | None,
+    ) -> VerifyReply: ...
+
+    async def release(self, session_id: str, timeout: float | None) -> None: ...
+
+
+class DraftClient(Protocol):
+    async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None) -> str: ...
+
+    async def propose(
+        self, session_id: str, base_len: int, new_ids: Sequence[int], num_tokens: int, timeout: float | None
+    ) -> ProposeReply: ...
+
+    async def release(self, session_id: str, timeout: float | None) -> None: ...
+
+
+class UnknownDrafter(InvalidArgument):
+    """The request named a drafter the draft service does not host."""
+
+
+class DraftFailure(Exception):
+    """A draft call failed for a reason that should not fail the request."""
+
+
+# --------------------------------------------------------------------- stats
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    rounds: int = 0
+    committed_in_rounds: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    draft_failures: int = 0
+    target_rebuilds: int = 0
+    gamma_trajectory: list[int] = field(default_factory=list)
+    accepted_per_round: list[int] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.committed_in_rounds / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class Step:
+    """Tokens committed by one step (prefill or a verified round)."""
+
+    token_ids: list[int]
+    logit_gaps: list[float]
+
+
+@dataclass
+class DecodeParams:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig
+    policy: DraftLengthPolicy
+    speculate: bool
+    drafter: str = ""
+    draft_timeout_s: float = 5.0
+    draft_retry_after_rounds: int = 4
+    target_timeout_s: float = 120.0
+    release_timeout_s: float = 2.0
+    deadline: float | None = None  # time.monotonic() by which the request must end
+
+
+class Decoder:
+    """One request's decoding state and loop."""
+
+    def __init__(self, target: TargetClient, draft: DraftClient | None, params: DecodeParams) -> None:
+        self.target = target
+        self.draft = draft if params.speculate else None
+        self.p = params
+        self.committed: list[int] = list(params.prompt_ids)
+        self.stats = RequestStats(prompt_tokens=len(params.prompt_ids))
+        self.target_sid: str | None = None
+        self.target_cache_len = 0
+        self.draft_sid: str | None = None
+        self.draft_known = 0  # committed tokens the draft session knows
+        self.draft_down_until_round = 0
+
+    # --------------------------------------------------------------- helpers
+    def _timeout(self, cap: float) -> float:
+        if self.p.deadline is None:
+            return cap
+        remaining = self.p.deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceeded("request deadline exceeded")
+        return min(cap, remaining)
+
+    @property
+    def generated(self) -> int:
+        return len(self.committed) - len(self.p.prompt_ids)
+
+    async def _rebuild_target(self) -> None:
+        """Recreates a lost target session from the committed tokens: the last
+        committed token stays pending (it is sent as the next round's delta)."""
+        self.stats.target_rebuilds += 1
+        old = self.target_sid
+        self.target_sid = None
+        log(logger, logging.WARNING, "rebuilding target session", old_session=old, tokens=len(self.committed))
+        reply = await self.target.prefill(
+            self.committed[:-1], self.p.sampling, False, len(self.committed), self._timeout(self.p.target_timeout_s)
+        )
+        self.target_sid = reply.session_id
+        self.target_cache_len = reply.cache_len
+        self.stats.verify_ms += reply.compute_ms
+
+    async def _create_draft(self) -> None:
+        assert self.draft is not None
+        try:
+            self.draft_sid = await self.draft.create(
+                self.p.sampling, self.p.drafter, self._timeout(self.p.draft_timeout_s)
+            )
+            self.draft_known = 0
+        except InvalidArgument as e:  # e.g. an unknown drafter name: the client's error
+            raise UnknownDrafter(f"speculation.drafter: {e.message}") from None
+        except SpecdecError as e:
+            log(logger, logging.WARNING, "draft session not created; continuing target-only", error=e.message)
+
+    async def _propose(self, gamma: int) -> ProposeReply | None:
+        """Drafts up to γ tokens; None when the draft cannot serve this round."""
+        assert self.draft is not None
+        for attempt in range(2):
+            try:
+                if self.draft_sid is None:
+                    await self._create_draft()
+                    if self.draft_sid is None:
+                        break
+                reply = await self.draft.propose(
+                    self.draft_sid,
+                    self.draft_known,
+                    self.committed[self.draft_known :],
+                    gamma,
+                    self._timeout(self.p.draft_timeout_s),
+                )
+                self.draft_known = reply.committed_len
+                return reply
+            except NotFound:
+                self.draft_sid = None  # lost session: recreate from the tokens once
+                if attempt == 0:
+                    continue
+            except UnknownDrafter:
+                raise
+            except (DraftFailure, SpecdecError) as e:
+                if self.p.deadline is not None and time.monotonic() >= self.p.deadline:
+                    raise DeadlineExceeded("request deadline exceeded") from None
+                # Keep the session: if the draft comes back it is reused (its
+                # cache is rolled back to the committed prefix on the next call).
+                log(logger, logging.WARNING, "draft failed; round runs target-only", error=str(e))
+            break
+        self.stats.draft_failures += 1
+        self.draft_down_until_round = self.stats.rounds + self.p.draft_retry_after_rounds
+        return None
+
+    # ------------------------------------------------------------------ loop
+    async def run(self) -> AsyncIterator[Step]:
+        """Yields committed tokens step by step until max_new_tokens. The caller
+        stops iterating on EOS or stop strings; ``close()`` releases sessions."""
+        # The draft session is created while the target prefills, so an unknown
+        # drafter fails the request before any token is streamed.
+        draft_task = asyncio.create_task(self._create_draft()) if self.draft is not None else None
+        try:
+            reply = await self.target.prefill(
+                self.p.prompt_ids, self.p.sampling, True, 0, self._timeout(self.p.target_timeout_s)
+            )
+            self.target_sid, self.target_cache_len = reply.session_id, reply.cache_len
+        finally:
+            if draft_task is not None:
+                await draft_task
+        self.stats.verify_ms += reply.compute_ms
+        assert reply.next_token is not None
+        self.committed.append(reply.next_token)
+        self.stats.first_token_at = time.perf_counter()
+        yield Step([reply.next_token], [reply.logit_gap])
+
+        while self.generated < self.p.max_new_tokens:
+            remaining = self.p.max_new_tokens - self.generated
+            gamma = min(self.p.policy.next_gamma(), remaining - 1)
+            proposal: ProposeReply | None = None
+            if gamma > 0 and self.draft is not None and self.stats.rounds >= self.draft_down_until_round:
+                proposal = await self._propose(gamma)
+                if proposal is not None:
+                    self.stats.draft_ms += proposal.compute_ms
+            draft_ids = proposal.token_ids if proposal else []
+            q = proposal.q if (proposal and not self.p.sampling.greedy) else []
+            verified = await self._verify(draft_ids, q)
+            self.stats.rounds += 1
+            self.stats.draft_tokens += len(draft_ids)
+            self.stats.accepted_tokens += verified.num_accepted
+            self.stats.gamma_trajectory.append(len(draft_ids))
+            self.stats.accepted_per_round.append(verified.num_accepted)
+            self.p.policy.observe(len(draft_ids), verified.num_accepted)
+            new = draft_ids[: verified.num_accepted] + [verified.next_token]
+            self.stats.committed_in_rounds += len(new)
+            self.committed.extend(new)
+            yield Step(new, verified.logit_gaps)
+
+    async def _verify(self, draft_ids: list[int], q: list[SparseQ]) -> VerifyReply:
+        for attempt in range(2):
+            assert self.target_sid is not None
+            try:
+                reply = await self.target.verify(
+                    self.target_sid,
+                    self.target_cache_len,
+                    self.committed[self.target_cache_len :],
+                    draft_ids,
+                    q,
+                    self._timeout(self.p.target_timeout_s),
+                )
+            except NotFound:
+                if attempt == 1:
+                    raise Unavailable("target session lost twice in one round")
+                await self._rebuild_target()
+                continue
+            self.target_cache_len = reply.cache_len
+            self.stats.verify_ms += reply.compute_ms
+            return reply
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        """Releases both sessions (shielded: runs even when the request was cancelled)."""
+        tasks = []
+        if self.target_sid is not None:
+            tasks.append(self.target.release(self.target_sid, self.p.release_timeout_s))
+            self.target_sid = None
+        if self.draft is not None and self.draft_sid is not None:
+            tasks.append(self.draft.release(self.draft_sid, self.p.release_timeout_s))
+            self.draft_sid = None
+        if tasks:
+            results = await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
+            for r in results:
+                if isinstance(r, BaseException) and not isinstance(r, NotFound):
+                    log(logger, logging.WARNING, "session release failed", error=repr(r))

@@ -1,0 +1,348 @@
+"""The public ``specdec.v1.Orchestrator`` service: validation, tokenization,
+the decode loop, incremental detokenization and the final stats."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import grpc
+
+from orchestrator.clients import GrpcDraftClient, GrpcTargetClient, make_channel
+from orchestrator.config import OrchestratorConfig
+from orchestrator.decode import DecodeParams, Decoder, RequestStats
+from orchestrator.detokenizer import IncrementalDetokenizer, StopMatcher
+from orchestrator.policy import DraftLengthPolicy, FixedPolicy, OffPolicy
+from specdec.errors import InvalidArgument, ResourceExhausted, SpecdecError, Unavailable
+from specdec.grpc_util import ServerHandle, start_server
+from specdec.logging_util import log
+from specdec.sampling import SamplingConfig
+from specdec.v1 import orchestrator_pb2 as pb
+from specdec.v1 import orchestrator_pb2_grpc
+
+logger = logging.getLogger("specdec.orchestrator")
+
+MODE_OFF = pb.SPECULATION_MODE_OFF
+MODE_FIXED = pb.SPECULATION_MODE_FIXED
+
+
+@dataclass
+class ModelLimits:
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    max_context: int
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        tokenizer: Any,
+        target: GrpcTargetClient,
+        draft: GrpcDraftClient | None,
+        limits: ModelLimits,
+    ) -> None:
+        self.cfg = config
+        self.tokenizer = tokenizer
+        self.target = target
+        self.draft = draft
+        self.limits = limits
+        self.active = 0
+
+    # ------------------------------------------------------------ validation
+    def _prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
+        given = [bool(req.prompt), len(req.prompt_token_ids) > 0, len(req.messages) > 0]
+        if sum(given) == 0:
+            raise InvalidArgument("empty prompt: set one of prompt, prompt_token_ids or messages")
+        if sum(given) > 1:
+            raise InvalidArgument("set exactly one of prompt, prompt_token_ids and messages")
+        if req.prompt_token_ids:
+            ids = list(req.prompt_token_ids)
+            bad = [t for t in ids if t < 0 or t >= self.limits.vocab_size]
+            if bad:
+                raise InvalidArgument(
+                    f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {self.limits.vocab_size})"
+                )
+            return ids
+        if req.messages:
+            msgs = []
+            for i, m in enumerate(req.messages):
+                if not m.role:
+                    raise InvalidArgument(f"messages[{i}].role is empty")
+                msgs.append({"role": m.role, "content": m.content})
+            if sum(len(m["content"]) for m in msgs) > self.cfg.max_prompt_chars:
+                raise InvalidArgument(f"messages exceed {self.cfg.max_prompt_chars} characters")
+            try:
+                text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # template errors are the caller's (e.g. bad role order)
+                raise InvalidArgument(f"messages could not be rendered with the chat template: {e}") from None
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(req.prompt) > self.cfg.max_prompt_chars:
+            raise InvalidArgument(f"prompt of {len(req.prompt)} characters exceeds {self.cfg.max_prompt_chars}")
+        ids = list(self.tokenizer(req.prompt)["input_ids"])
+        if not ids:
+            raise InvalidArgument("prompt tokenizes to no tokens")
+        return ids
+
+    def _params(self, req: pb.GenerateRequest, prompt_ids: list[int], deadline: float | None) -> DecodeParams:
+        sampling = SamplingConfig.from_proto(req.sampling if req.HasField("sampling") else None)
+        max_new = req.max_new_tokens or self.cfg.default_max_new_tokens
+        if max_new > self.cfg.max_new_tokens_limit:
+            raise InvalidArgument(f"max_new_tokens {max_new} exceeds the limit {self.cfg.max_new_tokens_limit}")
+        if len(prompt_ids) + max_new > self.limits.max_context:
+            if len(prompt_ids) >= self.limits.max_context:
+                raise InvalidArgument(
+                    f"prompt of {len(prompt_ids)} tokens exceeds the model context of {self.limits.max_context}"
+                )
+            max_new = self.limits.max_context - len(prompt_ids) - 1
+        if len(req.stop) > self.cfg.max_stop_strings:
+            raise InvalidArgument(f"at most {self.cfg.max_stop_strings} stop strings are allowed")
+        for s in req.stop:
+            if not s or len(s) > self.cfg.max_stop_string_chars:
+                raise InvalidArgument(f"stop strings must be 1..{self.cfg.max_stop_string_chars} characters")
+        spec = req.speculation
+        if spec.num_draft_tokens > self.cfg.max_num_draft_tokens:
+            raise InvalidArgument(
+                f"speculation.num_draft_tokens {spec.num_draft_tokens} exceeds the limit {self.cfg.max_num_draft_tokens}"
+            )
+        if spec.mode not in (pb.SPECULATION_MODE_UNSPECIFIED, pb.SPECULATION_MODE_AUTO, MODE_OFF, MODE_FIXED):
+            raise InvalidArgument(f"unknown speculation.mode {spec.mode}")
+        gamma = spec.num_draft_tokens or self.cfg.default_num_draft_tokens
+        speculate = spec.mode != MODE_OFF and self.draft is not None
+        policy: DraftLengthPolicy = FixedPolicy(gamma) if speculate else OffPolicy()
+        return DecodeParams(
+            prompt_ids=prompt_ids,
+            max_new_tokens=max_new,
+            sampling=sampling,
+            policy=policy,
+            speculate=speculate,
+            drafter=spec.drafter,
+            draft_timeout_s=self.cfg.draft_timeout_s,
+            draft_retry_after_rounds=self.cfg.draft_retry_after_rounds,
+            target_timeout_s=self.cfg.target_timeout_s,
+            release_timeout_s=self.cfg.release_timeout_s,
+            deadline=deadline,
+        )
+
+    # -------------------------------------------------------------- Generate
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        if self.active >= self.cfg.max_concurrent_streams:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many concurrent streams ({self.cfg.max_concurrent_streams})",
+            )
+        self.active += 1
+        decoder: Decoder | None = None
+        try:
+            remaining = context.time_remaining()
+            deadline = time.monotonic() + remaining if remaining is not None else None
+            prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
+            params = self._params(request, prompt_ids, deadline)
+            decoder = Decoder(self.target, self.draft, params)
+            async for chunk in self._stream(decoder, request):
+                yield chunk
+        except SpecdecError as e:
+            await context.abort(e.code, e.message)
+        finally:
+            self.active -= 1
+            if decoder is not None:
+                await decoder.close()
+
+    async def _stream(self, decoder: Decoder, req: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        detok = IncrementalDetokenizer(self.tokenizer, decoder.p.prompt_ids)
+        stops = StopMatcher(list(req.stop))
+        eos = frozenset() if req.ignore_eos else self.limits.eos_token_ids
+        max_new = decoder.p.max_new_tokens
+        emitted = 0
+        finish = pb.FINISH_REASON_LENGTH
+        steps = decoder.run()
+        try:
+            async for step in steps:
+                ids: list[int] = []
+                gaps: list[float] = []
+                done = False
+                for tok, gap in zip(step.token_ids, step.logit_gaps + [0.0] * len(step.token_ids)):
+                    ids.append(tok)
+                    gaps.append(gap)
+                    emitted += 1
+                    if tok in eos:
+                        finish, done = pb.FINISH_REASON_EOS, True
+                        break
+                    if emitted >= max_new:
+                        finish, done = pb.FINISH_REASON_LENGTH, True
+                        break
+                text = stops.push(detok.push(ids))
+                if stops.stopped:
+                    finish, done = pb.FINISH_REASON_STOP, True
+                if done:
+                    text += stops.push(detok.flush()) if not stops.stopped else ""
+                    text += stops.flush()
+                    yield self._chunk(text, ids, gaps, req, finish, decoder.stats, emitted)
+                    return
+                if text or ids:
+                    yield self._chunk(text, ids, gaps, req, None, None, emitted)
+            # the loop ended on max_new_tokens exactly at a round boundary
+            yield self._chunk(stops.flush(), [], [], req, finish, decoder.stats, emitted)
+        finally:
+            await steps.aclose()
+
+    def _chunk(
+        self,
+        text: str,
+        ids: list[int],
+        gaps: list[float],
+        req: pb.GenerateRequest,
+        finish: int | None,
+        stats: RequestStats | None,
+        emitted: int,
+    ) -> pb.GenerateResponse:
+        msg = pb.GenerateResponse(text=text, token_ids=ids)
+        if req.return_logit_gaps:
+            msg.logit_gaps.extend(gaps)
+        if finish is not None and stats is not None:
+            msg.finish_reason = finish  # type: ignore[assignment]
+            msg.stats.CopyFrom(stats_proto(stats, emitted))
+        return msg
+
+
+def stats_proto(s: RequestStats, generated: int) -> pb.GenerationStats:
+    now = time.perf_counter()
+    total_ms = (now - s.started) * 1e3
+    ttft = ((s.first_token_at or now) - s.started) * 1e3
+    return pb.GenerationStats(
+        draft_tokens=s.draft_tokens,
+        accepted_tokens=s.accepted_tokens,
+        rounds=s.rounds,
+        mean_accepted_length=s.mean_accepted_length,
+        time_to_first_token_ms=ttft,
+        tokens_per_second=generated / (total_ms / 1e3) if total_ms > 0 else 0.0,
+        acceptance_rate=s.acceptance_rate,
+        prompt_tokens=s.prompt_tokens,
+        generated_tokens=generated,
+        total_ms=total_ms,
+        draft_ms=s.draft_ms,
+        verify_ms=s.verify_ms,
+        overhead_ms=max(0.0, total_ms - s.draft_ms - s.verify_ms),
+        gamma_trajectory=s.gamma_trajectory,
+        accepted_per_round=s.accepted_per_round,
+        draft_failures=s.draft_failures,
+        target_rebuilds=s.target_rebuilds,
+    )
+
+
+@dataclass
+class OrchestratorServer:
+    handle: ServerHandle
+    servicer: OrchestratorServicer
+    channels: list[grpc.aio.Channel]
+    tasks: list[asyncio.Task[None]]
+
+    @property
+    def port(self) -> int:
+        return self.handle.port
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await self.handle.stop(grace)
+        for ch in self.channels:
+            await ch.close()
+
+
+def load_tokenizer(spec: str, cache_dir: Path | None) -> Any:
+    from transformers import AutoTokenizer
+
+    from specdec.models import default_cache_dir, resolve
+
+    resolved = resolve(spec, Path(cache_dir or default_cache_dir()))
+    return AutoTokenizer.from_pretrained(str(resolved.hf_dir))
+
+
+async def _wait_info(client: Any, name: str, timeout_s: float) -> Any:
+    """Polls GetModelInfo until the service answers (it is UNAVAILABLE while loading)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await client.info(timeout=5.0)
+        except SpecdecError as e:
+            if time.monotonic() > deadline:
+                raise Unavailable(f"{name} service did not become ready: {e.message}") from None
+            await asyncio.sleep(0.5)
+
+
+async def _attach_draft(
+    servicer: OrchestratorServicer, draft: GrpcDraftClient, target_info: Any, timeout_s: float
+) -> None:
+    """Enables speculation once the draft service answers with a compatible
+    tokenizer; until then requests run target-only."""
+    try:
+        dinfo = await _wait_info(draft, "draft", timeout_s)
+    except Unavailable as e:
+        log(logger, logging.WARNING, "draft service never became ready; serving target-only", error=e.message)
+        return
+    if dinfo.tokenizer_fingerprint and dinfo.tokenizer_fingerprint != target_info.tokenizer_fingerprint:
+        log(logger, logging.WARNING, "draft tokenizer differs from the target's; speculation disabled")
+        return
+    if dinfo.vocab_size > target_info.vocab_size:
+        log(logger, logging.WARNING, "draft vocabulary is larger than the target's; speculation disabled")
+        return
+    servicer.draft = draft
+    log(logger, logging.INFO, "draft service attached", draft=dinfo.model_name)
+
+
+async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> OrchestratorServer:
+    """Starts the public API; health turns SERVING once the tokenizer is loaded
+    and the target answers. A draft that is absent or has another tokenizer
+    leaves the service running target-only (logged)."""
+    target_ch = make_channel(config.target_address, config.max_message_bytes)
+    channels = [target_ch]
+    target = GrpcTargetClient(target_ch)
+    draft: GrpcDraftClient | None = None
+    if config.draft_address:
+        draft_ch = make_channel(config.draft_address, config.max_message_bytes)
+        channels.append(draft_ch)
+        draft = GrpcDraftClient(draft_ch)
+    holder: dict[str, OrchestratorServicer] = {}
+
+    class _Servicer(orchestrator_pb2_grpc.OrchestratorServicer):
+        async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+            real = holder.get("s")
+            if real is None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the orchestrator is starting")
+            async for chunk in real.Generate(request, context):  # type: ignore[union-attr]
+                yield chunk
+
+    handle = await start_server(
+        lambda server: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(_Servicer(), server),
+        [pb.DESCRIPTOR.services_by_name["Orchestrator"].full_name],
+        config.host,
+        config.port,
+        config.max_message_bytes,
+    )
+    log(logger, logging.INFO, "orchestrator listening (waiting for services)", port=handle.port)
+    try:
+        tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer, config.cache_dir)
+        from specdec.tokenization import tokenizer_fingerprint
+
+        fingerprint = tokenizer_fingerprint(tokenizer)
+        info = await _wait_info(target, "target", ready_timeout_s)
+        if info.tokenizer_fingerprint and info.tokenizer_fingerprint != fingerprint:
+            raise RuntimeError("the orchestrator's tokenizer differs from the target model's tokenizer")
+    except BaseException:
+        await handle.stop(0)
+        raise
+    limits = ModelLimits(info.vocab_size, frozenset(info.eos_token_ids), info.max_context_tokens)
+    servicer = OrchestratorServicer(config, tokenizer, target, None, limits)
+    holder["s"] = servicer
+    tasks = []
+    if draft is not None:
+        tasks.append(asyncio.create_task(_attach_draft(servicer, draft, info, ready_timeout_s)))
+    await handle.set_serving(True)
+    log(logger, logging.INFO, "orchestrator ready", port=handle.port, target=info.model_name)
+    return OrchestratorServer(handle, servicer, channels, tasks)

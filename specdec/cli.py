@@ -1,0 +1,361 @@
+"""The ``specdec`` command line: a thin layer that builds each service's typed
+config from flags and hands it down."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+DEFAULT_PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053}
+
+
+# ----------------------------------------------------------------- serve
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $SPECDEC_CACHE_DIR or ~/.cache/specdec)")
+    p.add_argument("--log-level", default="info")
+
+
+def _add_target_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    p.add_argument(f"--{prefix}model", dest="target_model", default=DEFAULT_TARGET,
+                   help="target model spec: built-in name, .gguf file, local HF dir or hub id")
+    p.add_argument(f"--{prefix}dtype", dest="target_dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument(f"--{prefix}device", dest="target_device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument(f"--{prefix}threads", dest="target_threads", type=int, default=0, help="torch CPU threads (0 = all)")
+    p.add_argument(f"--{prefix}kv-budget-tokens", dest="target_kv_budget", type=int, default=65_536)
+
+
+def _add_draft_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    p.add_argument(f"--{prefix}model", dest="draft_model", default=DEFAULT_DRAFT, help="draft model spec")
+    p.add_argument(f"--{prefix}precision", dest="draft_precision", default="int4", choices=["int4", "int8", "fp32"],
+                   help="ONNX export precision of the draft")
+    p.add_argument(f"--{prefix}execution", dest="draft_execution", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument(f"--{prefix}threads", dest="draft_threads", type=int, default=0, help="onnxruntime intra-op threads (0 = all)")
+
+
+def target_config(a: argparse.Namespace, port: int) -> Any:
+    from target_service.config import TargetServiceConfig
+
+    return TargetServiceConfig(
+        model=a.target_model, host=a.host, port=port, dtype=a.target_dtype, device=a.target_device,
+        threads=a.target_threads, cache_dir=a.cache_dir, kv_budget_tokens=a.target_kv_budget,
+    )
+
+
+def draft_config(a: argparse.Namespace, port: int) -> Any:
+    from draft_service.config import DraftServiceConfig, DrafterSpec
+
+    spec = DrafterSpec(name=DEFAULT_DRAFT if a.draft_model == DEFAULT_DRAFT else Path(a.draft_model).name or a.draft_model,
+                       model=a.draft_model, precision=a.draft_precision)
+    return DraftServiceConfig(
+        host=a.host, port=port, drafters=[spec], default_drafter=spec.name,
+        intra_op_threads=a.draft_threads, execution=a.draft_execution, cache_dir=a.cache_dir,
+    )
+
+
+def orchestrator_config(a: argparse.Namespace, port: int) -> Any:
+    from orchestrator.config import OrchestratorConfig
+
+    return OrchestratorConfig(
+        target_address=a.target_address, draft_address=a.draft_address, tokenizer=a.target_model,
+        host=a.host, port=port, cache_dir=a.cache_dir, default_num_draft_tokens=a.num_draft_tokens,
+        default_max_new_tokens=a.default_max_new_tokens,
+    )
+
+
+async def _serve_forever(start: Any, config: Any) -> None:
+    server = await start(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    # Health goes NOT_SERVING first, then in-flight calls get a grace period.
+    await server.stop(grace=10.0)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from specdec.logging_util import setup_logging
+
+    setup_logging(a.log_level, a.service)
+    port = a.port if a.port is not None else DEFAULT_PORTS[a.service]
+    a.target_model = a.model or DEFAULT_TARGET
+    a.draft_model = a.model or DEFAULT_DRAFT
+    a.target_threads = a.draft_threads = a.threads
+    if a.service == "target":
+        from target_service.server import start
+
+        config = target_config(a, port)
+    elif a.service == "draft":
+        from draft_service.server import start  # type: ignore[no-redef]
+
+        config = draft_config(a, port)
+    else:
+        from orchestrator.server import start  # type: ignore[no-redef]
+
+        config = orchestrator_config(a, port)
+    asyncio.run(_serve_forever(start, config))
+    return 0
+
+
+# -------------------------------------------------------------------- up
+def _wait_healthy(address: str, timeout_s: float, procs: list[subprocess.Popen[bytes]]) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in procs):
+                return False
+            try:
+                r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(1.0)
+    return False
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    """Starts target, draft and orchestrator as child processes."""
+    from specdec.models import default_cache_dir
+
+    cache = str(a.cache_dir or default_cache_dir())
+    base = [sys.executable, "-m", "specdec.cli", "serve"]
+    common = ["--host", a.host, "--cache-dir", cache, "--log-level", a.log_level]
+    tport, dport, oport = a.target_port, a.draft_port, a.port
+    cmds = {
+        "target": base + ["target", "--port", str(tport), "--model", a.target_model, "--dtype", a.target_dtype,
+                          "--device", a.target_device, "--threads", str(a.target_threads),
+                          "--kv-budget-tokens", str(a.target_kv_budget)] + common,
+        "orchestrator": base + ["orchestrator", "--port", str(oport), "--target-address", f"127.0.0.1:{tport}",
+                                "--draft-address", "" if a.no_draft else f"127.0.0.1:{dport}",
+                                "--model", a.target_model, "--num-draft-tokens", str(a.num_draft_tokens)] + common,
+    }
+    if not a.no_draft:
+        cmds["draft"] = base + ["draft", "--port", str(dport), "--model", a.draft_model,
+                                "--precision", a.draft_precision, "--execution", a.draft_execution,
+                                "--threads", str(a.draft_threads)] + common
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    # Models are prepared once up front, so that the services do not race to
+    # assemble or convert the same files.
+    from specdec.models import prepare
+
+    print(f"specdec: preparing models in {cache} (first run assembles, converts and exports; later runs reuse the cache)", flush=True)
+    prepare([a.target_model] + ([] if a.no_draft else [a.draft_model]), Path(cache))
+    if not a.no_draft:
+        from draft_service.export import ensure_onnx
+        from specdec.models import resolve
+
+        ensure_onnx(resolve(a.draft_model, Path(cache)).hf_dir, Path(cache), a.draft_precision,
+                    "cuda" if a.draft_execution == "cuda" else "cpu")
+    try:
+        for name, cmd in cmds.items():
+            procs[name] = subprocess.Popen(cmd, start_new_session=True)
+        ports = {"target": tport, "draft": dport, "orchestrator": oport}
+        for name in ("target", "draft", "orchestrator"):
+            if name not in procs:
+                continue
+            ok = _wait_healthy(f"127.0.0.1:{ports[name]}", a.ready_timeout, list(procs.values()))
+            if not ok:
+                print(f"specdec: {name} did not become healthy", file=sys.stderr, flush=True)
+                return 1
+            print(f"specdec: {name:<12} SERVING on 127.0.0.1:{ports[name]}", flush=True)
+        print(f"specdec: ready. Try: specdec generate \"def fib(n):\" --address 127.0.0.1:{oport}", flush=True)
+        if a.ready_file:
+            Path(a.ready_file).write_text(json.dumps({k: f"127.0.0.1:{v}" for k, v in ports.items() if k in procs}))
+        while all(p.poll() is None for p in procs.values()):
+            time.sleep(1.0)
+        print("specdec: a service exited; stopping the others", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("\nspecdec: stopping", flush=True)
+        return 0
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+# -------------------------------------------------------------- generate
+def build_request(a: argparse.Namespace) -> Any:
+    from specdec.v1 import common_pb2
+    from specdec.v1 import orchestrator_pb2 as pb
+
+    modes = {"auto": pb.SPECULATION_MODE_AUTO, "off": pb.SPECULATION_MODE_OFF, "fixed": pb.SPECULATION_MODE_FIXED}
+    req = pb.GenerateRequest(
+        max_new_tokens=a.max_new_tokens,
+        stop=a.stop or [],
+        ignore_eos=a.ignore_eos,
+        speculation=pb.SpeculationConfig(mode=modes[a.mode], num_draft_tokens=a.num_draft_tokens, drafter=a.drafter),
+        sampling=common_pb2.SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k),
+    )
+    if a.seed is not None:
+        req.sampling.seed = a.seed
+    if a.chat:
+        req.messages.append(pb.ChatMessage(role="user", content=a.prompt))
+    else:
+        req.prompt = a.prompt
+    return req
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from specdec.v1 import orchestrator_pb2_grpc
+
+    req = build_request(a)
+    text: list[str] = []
+    ids: list[int] = []
+    last = None
+    with grpc.insecure_channel(a.address) as ch:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
+        try:
+            for chunk in stub.Generate(req, timeout=a.timeout):
+                text.append(chunk.text)
+                ids.extend(chunk.token_ids)
+                last = chunk
+                if not a.json:
+                    print(chunk.text, end="", flush=True)
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 2
+    assert last is not None
+    stats = MessageToDict(last.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    finish = last.finish_reason
+    from specdec.v1 import orchestrator_pb2 as pb
+
+    finish_name = pb.FinishReason.Name(finish)
+    if a.json:
+        print(json.dumps({"text": "".join(text), "token_ids": ids, "finish_reason": finish_name, "stats": stats}))
+    else:
+        s = last.stats
+        print("\n" + "-" * 60)
+        print(f"finish_reason={finish_name} tokens={s.generated_tokens} prompt_tokens={s.prompt_tokens}")
+        print(f"tokens/s={s.tokens_per_second:.2f} ttft_ms={s.time_to_first_token_ms:.0f} total_ms={s.total_ms:.0f}")
+        print(f"rounds={s.rounds} drafted={s.draft_tokens} accepted={s.accepted_tokens} "
+              f"acceptance={s.acceptance_rate:.3f} mean_accepted_length={s.mean_accepted_length:.2f}")
+        print(f"time split: draft={s.draft_ms:.0f}ms verify={s.verify_ms:.0f}ms overhead={s.overhead_ms:.0f}ms")
+    return 0
+
+
+# --------------------------------------------------------------- models
+def cmd_models(a: argparse.Namespace) -> int:
+    from specdec.logging_util import setup_logging
+    from specdec.models import default_cache_dir, prepare, resolve
+
+    setup_logging(a.log_level)
+    cache = Path(a.cache_dir or default_cache_dir())
+    names = a.models or [DEFAULT_TARGET, DEFAULT_DRAFT]
+    for m in prepare(names, cache):
+        print(f"{m.name}: {m.hf_dir}")
+    if a.export_draft:
+        from draft_service.export import ensure_onnx
+
+        for name in a.export_draft:
+            print(f"{name} onnx: {ensure_onnx(resolve(name, cache).hf_dir, cache, a.precision, 'cpu')}")
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from specdec.bench import main as bench_main
+
+    return bench_main(a)
+
+
+# ------------------------------------------------------------------ main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding as gRPC services.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    up = sub.add_parser("up", help="run target, draft and orchestrator locally; Ctrl-C stops all")
+    _add_common(up)
+    up.add_argument("--port", type=int, default=DEFAULT_PORTS["orchestrator"], help="orchestrator port")
+    up.add_argument("--target-port", type=int, default=DEFAULT_PORTS["target"])
+    up.add_argument("--draft-port", type=int, default=DEFAULT_PORTS["draft"])
+    _add_target_flags(up, "target-")
+    _add_draft_flags(up, "draft-")
+    up.add_argument("--num-draft-tokens", type=int, default=4, help="default γ")
+    up.add_argument("--no-draft", action="store_true", help="run without a draft service (target-only)")
+    up.add_argument("--ready-timeout", type=float, default=1800.0)
+    up.add_argument("--ready-file", default=None, help="write service addresses as JSON here once all are SERVING")
+    up.set_defaults(func=cmd_up)
+
+    serve = sub.add_parser("serve", help="run one service (for containers)")
+    serve.add_argument("service", choices=["target", "draft", "orchestrator"])
+    _add_common(serve)
+    serve.add_argument("--port", type=int, default=None, help="default: orchestrator 50051, draft 50052, target 50053")
+    m = serve.add_argument_group("model (target and draft)")
+    m.add_argument("--model", default=None, help=f"model spec (target default {DEFAULT_TARGET}, draft default {DEFAULT_DRAFT})")
+    m.add_argument("--threads", type=int, default=0, help="CPU threads for the model (0 = all)")
+    m.add_argument("--dtype", dest="target_dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"], help="target dtype")
+    m.add_argument("--device", dest="target_device", default="auto", help="target device: auto | cpu | cuda | cuda:N")
+    m.add_argument("--kv-budget-tokens", dest="target_kv_budget", type=int, default=65_536, help="target KV budget")
+    m.add_argument("--precision", dest="draft_precision", default="int4", choices=["int4", "int8", "fp32"], help="draft ONNX precision")
+    m.add_argument("--execution", dest="draft_execution", default="auto", choices=["auto", "cpu", "cuda"], help="draft execution provider")
+    o = serve.add_argument_group("orchestrator")
+    o.add_argument("--target-address", default=f"127.0.0.1:{DEFAULT_PORTS['target']}")
+    o.add_argument("--draft-address", default=f"127.0.0.1:{DEFAULT_PORTS['draft']}", help="'' = no draft")
+    o.add_argument("--num-draft-tokens", type=int, default=4)
+    o.add_argument("--default-max-new-tokens", type=int, default=256)
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="stream a generation from the orchestrator, then print its stats")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORTS['orchestrator']}")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--mode", choices=["auto", "off", "fixed"], default="auto", help="speculation mode")
+    gen.add_argument("--num-draft-tokens", type=int, default=0, help="γ (0 = server default)")
+    gen.add_argument("--drafter", default="", help="drafter name (default: the draft service's default)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.set_defaults(func=cmd_generate)
+
+    models = sub.add_parser("models", help="prepare (assemble, verify, convert) models into the cache")
+    models.add_argument("action", choices=["prepare"])
+    models.add_argument("models", nargs="*", help=f"model specs (default: {DEFAULT_TARGET} {DEFAULT_DRAFT})")
+    models.add_argument("--export-draft", action="append", help="also export this model to ONNX (repeatable)")
+    models.add_argument("--precision", default="int4", choices=["int4", "int8", "fp32"])
+    _add_common(models)
+    models.set_defaults(func=cmd_models)
+
+    bench = sub.add_parser("bench", help="target-only vs speculative through the running services")
+    from specdec.bench import add_arguments
+
+    add_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Domain errors that map one-to-one onto gRPC status codes.
+
+Domain code raises these; servicers translate them with ``abort_on_error``.
+Keeping the mapping here lets the engines stay free of gRPC imports.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class SpecdecError(Exception):
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(SpecdecError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(SpecdecError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(SpecdecError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(SpecdecError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(SpecdecError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(SpecdecError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(SpecdecError):
+    code = grpc.StatusCode.CANCELLED
+
+
+_BY_CODE: dict[grpc.StatusCode, type[SpecdecError]] = {
+    cls.code: cls
+    for cls in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Unavailable, DeadlineExceeded, Cancelled)
+}
+
+
+def from_rpc_error(err: grpc.RpcError, service: str) -> SpecdecError:
+    """Maps a downstream RpcError onto the domain error with the same code."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    cls = _BY_CODE.get(code, Unavailable)
+    e = cls(f"{service}: {details}")
+    e.code = code if code in _BY_CODE else grpc.StatusCode.UNAVAILABLE
+    return e

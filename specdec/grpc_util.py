@@ -1,0 +1,171 @@
+"""Shared gRPC plumbing: server construction (health, reflection, limits),
+error translation, and the single-threaded model worker that keeps heavy
+compute off the asyncio event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specdec.errors import SpecdecError
+from specdec.logging_util import log
+
+logger = logging.getLogger("specdec.grpc")
+
+T = TypeVar("T")
+
+DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.max_connection_age_ms", 30 * 60 * 1000),
+        ("grpc.max_connection_age_grace_ms", 5 * 60 * 1000),
+    ]
+
+
+@dataclass
+class ServerHandle:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer  # type: ignore[name-defined]
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await self.health.set("", status)
+        for name in self.service_names:
+            await self.health.set(name, status)
+
+    service_names: Sequence[str] = ()
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+
+async def start_server(
+    register: Callable[[grpc.aio.Server], None],
+    service_full_names: Sequence[str],
+    host: str,
+    port: int,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> ServerHandle:
+    """Builds and starts a ``grpc.aio`` server with health (NOT_SERVING until
+    the caller flips it) and reflection. ``port=0`` picks a free port."""
+    server = grpc.aio.server(options=server_options(max_message_bytes))
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_full_names) + [
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    ]
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind {host}:{port}")
+    await server.start()
+    handle = ServerHandle(server=server, port=bound, health=health_servicer)
+    handle.service_names = list(service_full_names)
+    await handle.set_serving(False)
+    return handle
+
+
+def translate_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Decorator for unary servicer methods: maps ``SpecdecError`` to its gRPC
+    status and logs anything unexpected as INTERNAL (never crashes the server)."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        try:
+            return await method(self, request, context)
+        except SpecdecError as e:
+            await context.abort(e.code, e.message)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:  # pragma: no cover - defensive
+            log(logger, logging.ERROR, "unhandled error", method=method.__name__, error=repr(e))
+            logger.exception("unhandled error in %s", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+@dataclass
+class WorkTiming:
+    queue_ms: float
+    compute_ms: float
+
+
+class ModelWorker:
+    """Runs model compute on one dedicated thread, off the event loop, one job
+    at a time (torch and onnxruntime already use all cores per call). Reports
+    the time each job waited and ran. A batching scheduler can replace it
+    without changing callers."""
+
+    def __init__(self, name: str, max_queue: int = 256) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._max_queue = max_queue
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> tuple[T, WorkTiming]:
+        from specdec.errors import ResourceExhausted
+
+        with self._lock:
+            if self._pending >= self._max_queue:
+                raise ResourceExhausted(f"model queue is full ({self._max_queue} pending requests)")
+            self._pending += 1
+        submitted = time.perf_counter()
+
+        def job() -> tuple[T, float, float]:
+            started = time.perf_counter()
+            result = fn(*args)
+            return result, started, time.perf_counter()
+
+        try:
+            loop = asyncio.get_running_loop()
+            result, started, ended = await loop.run_in_executor(self._pool, job)
+        finally:
+            with self._lock:
+                self._pending -= 1
+        return result, WorkTiming((started - submitted) * 1e3, (ended - started) * 1e3)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,232 @@
+"""Pure sampling functions: logits processing and exact speculative verification.
+
+Vocabulary (after vLLM's rejection sampler):
+- *accepted*: a drafted token the target keeps;
+- *recovered*: the token sampled from norm(max(0, p - q)) at the first rejection;
+- *bonus*: the token sampled from p_{γ+1} when every drafted token is accepted.
+
+Shapes use: γ = drafted tokens in the span, V = target vocabulary size,
+K = support size of one sparse draft distribution.
+
+Exactness (Leviathan et al. 2022; Chen et al. 2023): with p_i the *processed*
+target distribution (temperature → top-k → top-p, exactly as plain sampling
+applies it through :func:`process_logits`) and q_i the exact distribution the
+drafter sampled x_i from, the committed tokens are distributed exactly as
+target-only sampling. Greedy (temperature 0) reduces to argmax matching.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from specdec.errors import InvalidArgument
+
+MAX_TOP_K = 1 << 20
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_proto(cls, msg: object) -> "SamplingConfig":
+        """Builds and validates from a ``specdec.v1.SamplingParams`` (or None)."""
+        if msg is None:
+            return cls()
+        temperature = float(getattr(msg, "temperature", 0.0))
+        top_p = float(getattr(msg, "top_p", 0.0)) or 1.0
+        top_k = int(getattr(msg, "top_k", 0))
+        seed = int(msg.seed) if msg.HasField("seed") else None  # type: ignore[attr-defined]
+        cfg = cls(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidArgument(
+                f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
+            )
+        if self.temperature > 100:
+            raise InvalidArgument(f"sampling.temperature must be <= 100, got {self.temperature}")
+        if not math.isfinite(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise InvalidArgument(f"sampling.top_p must be in (0, 1] (0 = unset), got {self.top_p}")
+        if self.top_k < 0 or self.top_k > MAX_TOP_K:
+            raise InvalidArgument(f"sampling.top_k must be in [0, {MAX_TOP_K}] (0 = disabled), got {self.top_k}")
+
+
+def process_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Turns raw logits into the distribution plain sampling draws from.
+
+    logits: [k, V] (any float dtype) -> probs: [k, V] float32.
+    Order and semantics follow Hugging Face ``generate``: temperature, then
+    top-k (ties at the k-th value kept), then top-p (smallest set whose mass
+    reaches top_p; the top token always kept). Not for greedy configs.
+    """
+    x = logits.float() / cfg.temperature
+    vocab = x.shape[-1]
+    if 0 < cfg.top_k < vocab:
+        kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]  # [k, 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_x, sorted_idx = torch.sort(x, dim=-1, descending=False)  # [k, V]
+        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cum <= (1.0 - cfg.top_p)
+        remove_sorted[..., -1] = False  # keep at least the top token
+        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+        x = x.masked_fill(remove, float("-inf"))
+    return x.softmax(dim=-1)
+
+
+def logit_gaps(logits: torch.Tensor) -> list[float]:
+    """Top-1 minus top-2 raw logit per row. logits: [k, V] -> k floats."""
+    top2 = torch.topk(logits.float(), 2, dim=-1).values  # [k, 2]
+    return (top2[:, 0] - top2[:, 1]).tolist()
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    num_accepted: int  # accepted drafted tokens (a prefix of the span)
+    next_token: int  # recovered (rejection) or bonus (all accepted) token
+    is_bonus: bool
+
+
+def greedy_verify(draft_ids: Sequence[int], target_argmax: Sequence[int]) -> VerifyResult:
+    """draft_ids: γ ids; target_argmax: γ+1 argmax ids of the target logits."""
+    n = 0
+    for d, t in zip(draft_ids, target_argmax):
+        if d != t:
+            return VerifyResult(n, int(t), False)
+        n += 1
+    return VerifyResult(n, int(target_argmax[n]), True)
+
+
+def sparse_q_dense(
+    ids: Sequence[int] | np.ndarray, probs: Sequence[float] | np.ndarray, vocab: int
+) -> torch.Tensor:
+    """One sparse draft distribution -> dense [V] float32 tensor."""
+    q = torch.zeros(vocab, dtype=torch.float32)
+    q[torch.as_tensor(np.asarray(ids, dtype=np.int64))] = torch.as_tensor(
+        np.asarray(probs, dtype=np.float32)
+    )
+    return q
+
+
+def rejection_sample(
+    draft_ids: Sequence[int],
+    draft_q: Sequence[tuple[np.ndarray, np.ndarray] | None],
+    target_probs: torch.Tensor,
+    generator: torch.Generator,
+) -> VerifyResult:
+    """Exact speculative verification of one span.
+
+    draft_ids:    γ drafted ids.
+    draft_q:      γ sparse distributions (ids [K], probs [K]); None = one-hot q.
+    target_probs: [γ+1, V] processed target probabilities (``process_logits``);
+                  row i scores draft_ids[i], row γ gives the bonus.
+    generator:    the request's RNG (CPU torch.Generator).
+    """
+    gamma = len(draft_ids)
+    p_all = target_probs.float().cpu()
+    vocab = p_all.shape[-1]
+    for i in range(gamma):
+        x = int(draft_ids[i])
+        p = p_all[i]  # [V]
+        sparse = draft_q[i]
+        if sparse is None:
+            q_x = 1.0
+        else:
+            ids, probs = sparse
+            hit = np.nonzero(np.asarray(ids) == x)[0]
+            q_x = float(np.asarray(probs)[hit[0]]) if hit.size else 0.0
+        p_x = float(p[x])
+        u = float(torch.rand((), generator=generator))
+        # Accept with probability min(1, p(x)/q(x)). q_x == 0 cannot happen for
+        # a token that was sampled from q; treat it as certain acceptance only if
+        # p_x > 0 (ratio = inf), which keeps the math total.
+        if q_x <= 0.0 or u * q_x < p_x:
+            continue
+        # Rejected: recover from norm(max(0, p - q)).
+        q = (
+            torch.nn.functional.one_hot(torch.tensor(x), vocab).float()
+            if sparse is None
+            else sparse_q_dense(sparse[0], sparse[1], vocab)
+        )
+        residual = torch.clamp(p - q, min=0.0)
+        total = float(residual.sum())
+        if total <= 0.0:  # p == q up to rounding: rejection had ~zero mass
+            residual, total = p, float(p.sum())
+        token = int(torch.multinomial(residual / total, 1, generator=generator))
+        return VerifyResult(i, token, False)
+    bonus = int(torch.multinomial(p_all[gamma], 1, generator=generator))
+    return VerifyResult(gamma, bonus, True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """probs: [V] processed distribution -> one sampled id."""
+    return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    return g
+
+
+# ---------------------------------------------------------------------------
+# Draft side (numpy: the draft runs on onnxruntime and returns numpy logits)
+# ---------------------------------------------------------------------------
+
+
+def draft_distribution(
+    logits: np.ndarray, cfg: SamplingConfig, max_support: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The sparse distribution a drafter samples one position from.
+
+    logits: [V] raw draft logits -> (ids [K] int32, probs [K] float32, sum 1).
+    Greedy: one-hot on the argmax. Sampling: temperature, then top-k with
+    k = min(top_k or V, max_support), then top-p; renormalised. The returned q
+    is exactly what :func:`sample_sparse` draws from, which keeps verification
+    exact whatever truncation the drafter applies.
+    """
+    if cfg.greedy:
+        return np.array([int(np.argmax(logits))], dtype=np.int32), np.ones(1, dtype=np.float32)
+    x = logits.astype(np.float64) / cfg.temperature
+    k = min(cfg.top_k or x.shape[-1], max_support, x.shape[-1])
+    ids = np.argpartition(-x, k - 1)[:k] if k < x.shape[-1] else np.arange(x.shape[-1])
+    ids = ids[np.argsort(-x[ids], kind="stable")]
+    z = x[ids] - x[ids[0]]
+    probs = np.exp(z)
+    probs /= probs.sum()
+    if cfg.top_p < 1.0:
+        cum = np.cumsum(probs)
+        # keep the smallest prefix whose mass reaches top_p (at least one)
+        keep = int(np.searchsorted(cum, cfg.top_p, side="left")) + 1
+        ids, probs = ids[:keep], probs[:keep]
+        probs = probs / probs.sum()
+    probs32 = probs.astype(np.float32)
+    probs32 /= probs32.sum(dtype=np.float32)
+    return ids.astype(np.int32), probs32
+
+
+def sample_sparse(ids: np.ndarray, probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Draws one id from a sparse distribution (the same q that is sent)."""
+    if ids.shape[0] == 1:
+        return int(ids[0])
+    cdf = np.cumsum(probs.astype(np.float64))
+    j = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return int(ids[min(j, ids.shape[0] - 1)])

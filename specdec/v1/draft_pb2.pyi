@@ -1,0 +1,48 @@
+from specdec.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CreateDraftSessionRequest(_message.Message):
+    __slots__ = ("sampling", "drafter")
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    sampling: _common_pb2.SamplingParams
+    drafter: str
+    def __init__(self, sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ...) -> None: ...
+
+class CreateDraftSessionResponse(_message.Message):
+    __slots__ = ("session_id", "drafter")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    drafter: str
+    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("session_id", "base_len", "new_token_ids", "num_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_LEN_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    base_len: int
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("token_ids", "probs", "committed_len", "timings")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    committed_len: int
+    timings: _common_pb2.Timings
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., committed_len: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...

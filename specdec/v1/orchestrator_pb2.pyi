@@ -1,0 +1,125 @@
+from specdec.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SpeculationMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPECULATION_MODE_UNSPECIFIED: _ClassVar[SpeculationMode]
+    SPECULATION_MODE_AUTO: _ClassVar[SpeculationMode]
+    SPECULATION_MODE_OFF: _ClassVar[SpeculationMode]
+    SPECULATION_MODE_FIXED: _ClassVar[SpeculationMode]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+SPECULATION_MODE_UNSPECIFIED: SpeculationMode
+SPECULATION_MODE_AUTO: SpeculationMode
+SPECULATION_MODE_OFF: SpeculationMode
+SPECULATION_MODE_FIXED: SpeculationMode
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_STOP: FinishReason
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class SpeculationConfig(_message.Message):
+    __slots__ = ("mode", "num_draft_tokens", "drafter")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    mode: SpeculationMode
+    num_draft_tokens: int
+    drafter: str
+    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., num_draft_tokens: _Optional[int] = ..., drafter: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "prompt_token_ids", "messages", "max_new_tokens", "sampling", "stop", "speculation", "ignore_eos", "return_logit_gaps")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGIT_GAPS_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    max_new_tokens: int
+    sampling: _common_pb2.SamplingParams
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    speculation: SpeculationConfig
+    ignore_eos: bool
+    return_logit_gaps: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationConfig, _Mapping]] = ..., ignore_eos: _Optional[bool] = ..., return_logit_gaps: _Optional[bool] = ...) -> None: ...
+
+class GenerationStats(_message.Message):
+    __slots__ = ("draft_tokens", "accepted_tokens", "rounds", "mean_accepted_length", "time_to_first_token_ms", "tokens_per_second", "acceptance_rate", "prompt_tokens", "generated_tokens", "total_ms", "draft_ms", "verify_ms", "overhead_ms", "gamma_trajectory", "accepted_per_round", "draft_failures", "target_rebuilds", "drafter")
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_MS_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_REBUILDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    draft_tokens: int
+    accepted_tokens: int
+    rounds: int
+    mean_accepted_length: float
+    time_to_first_token_ms: float
+    tokens_per_second: float
+    acceptance_rate: float
+    prompt_tokens: int
+    generated_tokens: int
+    total_ms: float
+    draft_ms: float
+    verify_ms: float
+    overhead_ms: float
+    gamma_trajectory: _containers.RepeatedScalarFieldContainer[int]
+    accepted_per_round: _containers.RepeatedScalarFieldContainer[int]
+    draft_failures: int
+    target_rebuilds: int
+    drafter: str
+    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., total_ms: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., gamma_trajectory: _Optional[_Iterable[int]] = ..., accepted_per_round: _Optional[_Iterable[int]] = ..., draft_failures: _Optional[int] = ..., target_rebuilds: _Optional[int] = ..., drafter: _Optional[str] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("text", "token_ids", "finish_reason", "stats", "logit_gaps")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_GAPS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: FinishReason
+    stats: GenerationStats
+    logit_gaps: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., logit_gaps: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -1,0 +1,68 @@
+from specdec.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("token_ids", "sampling", "sample_next_token", "rng_offset")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RNG_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    sample_next_token: bool
+    rng_offset: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., sample_next_token: _Optional[bool] = ..., rng_offset: _Optional[int] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("session_id", "has_next_token", "next_token_id", "next_token_logit_gap", "cache_len", "timings")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_LOGIT_GAP_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    has_next_token: bool
+    next_token_id: int
+    next_token_logit_gap: float
+    cache_len: int
+    timings: _common_pb2.Timings
+    def __init__(self, session_id: _Optional[str] = ..., has_next_token: _Optional[bool] = ..., next_token_id: _Optional[int] = ..., next_token_logit_gap: _Optional[float] = ..., cache_len: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id", "cache_len", "new_token_ids", "draft_token_ids", "draft_probs")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    cache_len: int
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    def __init__(self, session_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("num_accepted", "next_token_id", "next_is_bonus", "cache_len", "logit_gaps", "timings", "batch_size")
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_IS_BONUS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_GAPS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    num_accepted: int
+    next_token_id: int
+    next_is_bonus: bool
+    cache_len: int
+    logit_gaps: _containers.RepeatedScalarFieldContainer[float]
+    timings: _common_pb2.Timings
+    batch_size: int
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_is_bonus: _Optional[bool] = ..., cache_len: _Optional[int] = ..., logit_gaps: _Optional[_Iterable[float]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., batch_size: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""The target service: the big model, per-session KV caches, exact verification."""

@@ -1,0 +1,27 @@
+"""Typed configuration of the target service (built by the CLI, never from
+environment reads at import time)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class TargetServiceConfig:
+    model: str = "qwen2.5-coder-1.5b-instruct"  # a model spec (see specdec.models.resolve)
+    host: str = "127.0.0.1"
+    port: int = 50053  # 0 = pick a free port
+    dtype: str = "bfloat16"  # bfloat16 | float32 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int = 0  # torch intra-op threads on CPU; 0 = all cores
+    cache_dir: Path | None = None  # model cache; None = specdec.models.default_cache_dir()
+    max_sessions: int = 64
+    kv_budget_tokens: int = 65_536  # total tokens held in KV caches; LRU eviction past it
+    max_context_tokens: int = 0  # 0 = the model's max_position_embeddings
+    max_span: int = 32  # longest drafted span accepted by Verify
+    max_draft_support: int = 4096  # largest sparse q accepted per position
+    session_ttl_s: float = 600.0  # idle sessions are reaped after this
+    max_queue: int = 256  # pending model jobs before RESOURCE_EXHAUSTED
+    max_message_bytes: int = 8 * 1024 * 1024
+    warmup: bool = True

@@ -1,0 +1,332 @@
+"""Target engine: a transformers causal LM with per-session KV caches,
+prefill, exact span verification and rollback. Plain Python, no gRPC.
+
+Every public method runs on the model worker thread (see
+``specdec.grpc_util.ModelWorker``), so sessions are never mutated
+concurrently; the servicer only validates and dispatches.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from specdec.logging_util import log
+from specdec.sampling import (
+    SamplingConfig,
+    VerifyResult,
+    greedy_verify,
+    logit_gaps,
+    make_generator,
+    process_logits,
+    rejection_sample,
+    sample,
+)
+
+logger = logging.getLogger("specdec.target")
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+SparseQ = tuple[np.ndarray, np.ndarray]
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
+
+
+def pick_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+@dataclass
+class TargetSession:
+    session_id: str
+    cfg: SamplingConfig
+    generator: torch.Generator
+    cache: DynamicCache
+    cache_len: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    session_id: str
+    next_token: int | None
+    logit_gap: float
+    cache_len: int
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    result: VerifyResult
+    cache_len: int
+    logit_gaps: list[float]  # one per committed token (accepted + next)
+
+
+class TargetEngine:
+    """Owns the model and the sessions' KV caches."""
+
+    def __init__(
+        self,
+        hf_dir: Path,
+        *,
+        dtype: str = "bfloat16",
+        device: str = "auto",
+        threads: int = 0,
+        max_sessions: int = 64,
+        kv_budget_tokens: int = 65_536,
+        max_context_tokens: int = 0,
+        max_span: int = 32,
+        max_draft_support: int = 4096,
+        model_name: str | None = None,
+    ) -> None:
+        self.device = pick_device(device)
+        self.dtype = parse_dtype(dtype)
+        if self.device.type == "cpu" and threads > 0:
+            torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        self.model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=self.dtype)
+        self.model.to(self.device)
+        self.model.eval()
+        log(
+            logger,
+            logging.INFO,
+            "target model loaded",
+            model=model_name or str(hf_dir),
+            dtype=dtype,
+            device=str(self.device),
+            load_s=round(time.perf_counter() - t0, 2),
+        )
+        cfg = self.model.config
+        self.model_name = model_name or Path(hf_dir).name
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        model_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 32_768)
+        self.max_context = min(model_ctx, max_context_tokens) if max_context_tokens else model_ctx
+        self.max_sessions = max_sessions
+        self.kv_budget_tokens = kv_budget_tokens
+        self.max_span = max_span
+        self.max_draft_support = max_draft_support
+        self.eos_token_ids = _eos_ids(self.model)
+        # transformers >= 5.2x renames `past_key_values` to `cache`
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._sessions: OrderedDict[str, TargetSession] = OrderedDict()  # LRU order
+        self._lock = threading.Lock()  # guards the dict against the reaper
+        self.evictions = 0
+
+    # ------------------------------------------------------------------ state
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(s.cache_len for s in self._sessions.values())
+
+    def _get(self, session_id: str) -> TargetSession:
+        with self._lock:
+            sess = self._sessions.get(session_id)
+            if sess is None:
+                raise NotFound(f"unknown target session {session_id!r} (released, evicted or never created)")
+            self._sessions.move_to_end(session_id)
+        sess.last_used = time.monotonic()
+        return sess
+
+    def release(self, session_id: str) -> bool:
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None
+
+    def reap_idle(self, ttl_s: float) -> int:
+        """Releases sessions idle for longer than ``ttl_s``; returns how many."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [sid for sid, s in self._sessions.items() if now - s.last_used > ttl_s]
+            for sid in stale:
+                del self._sessions[sid]
+        if stale:
+            log(logger, logging.INFO, "reaped idle sessions", count=len(stale))
+        return len(stale)
+
+    def _make_room(self, new_tokens: int, keep: str | None = None) -> None:
+        """Evicts least-recently-used sessions until ``new_tokens`` fit the KV budget."""
+        with self._lock:
+            while self._sessions and self.cached_tokens + new_tokens > self.kv_budget_tokens:
+                victim = next((sid for sid in self._sessions if sid != keep), None)
+                if victim is None:
+                    break
+                del self._sessions[victim]
+                self.evictions += 1
+                log(logger, logging.INFO, "evicted session for KV budget", session_id=victim)
+
+    # ------------------------------------------------------------- validation
+    def check_token_ids(self, ids: Sequence[int], what: str) -> None:
+        for t in ids:
+            if t < 0 or t >= self.vocab_size:
+                raise InvalidArgument(f"{what} contains token id {t} outside the vocabulary [0, {self.vocab_size})")
+
+    def check_draft_q(self, draft_ids: Sequence[int], draft_q: Sequence[SparseQ | None]) -> None:
+        if len(draft_q) != len(draft_ids):
+            raise InvalidArgument(
+                f"draft_probs has {len(draft_q)} entries for {len(draft_ids)} drafted tokens (must match, or be empty for one-hot q)"
+            )
+        for i, (x, q) in enumerate(zip(draft_ids, draft_q)):
+            if q is None:
+                continue
+            ids, probs = q
+            if ids.shape[0] == 0 or ids.shape != probs.shape:
+                raise InvalidArgument(
+                    f"draft_probs[{i}]: token_ids ({ids.shape[0]}) and probs ({probs.shape[0]}) must be non-empty and of equal length"
+                )
+            if ids.shape[0] > self.max_draft_support:
+                raise InvalidArgument(
+                    f"draft_probs[{i}]: support of {ids.shape[0]} exceeds the limit {self.max_draft_support}"
+                )
+            if ids.min() < 0 or ids.max() >= self.vocab_size:
+                raise InvalidArgument(f"draft_probs[{i}]: token id outside the vocabulary [0, {self.vocab_size})")
+            if np.unique(ids).shape[0] != ids.shape[0]:
+                raise InvalidArgument(f"draft_probs[{i}]: duplicate token ids")
+            if not np.all(np.isfinite(probs)) or probs.min() < 0:
+                raise InvalidArgument(f"draft_probs[{i}]: probabilities must be finite and >= 0")
+            total = float(probs.astype(np.float64).sum())
+            if not math.isclose(total, 1.0, abs_tol=1e-3):
+                raise InvalidArgument(f"draft_probs[{i}]: probabilities sum to {total:.6f}, not 1")
+            hit = np.nonzero(ids == x)[0]
+            if hit.size == 0 or probs[hit[0]] <= 0:
+                raise InvalidArgument(
+                    f"draft_probs[{i}]: drafted token {x} has zero probability under its own q"
+                )
+
+    # ---------------------------------------------------------------- compute
+    @torch.inference_mode()
+    def _forward(self, cache: DynamicCache, ids: Sequence[int]) -> torch.Tensor:
+        """Appends ``ids`` to ``cache``; returns logits [len(ids), V] (float32)."""
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_kwarg: cache})
+        return out.logits[0].float()
+
+    def _pick(self, logits: torch.Tensor, sess: TargetSession) -> int:
+        """One plain decoding step from logits [V]."""
+        if sess.cfg.greedy:
+            return int(torch.argmax(logits))
+        return sample(process_logits(logits[None], sess.cfg)[0], sess.generator)
+
+    def prefill(
+        self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int = 0
+    ) -> PrefillOutcome:
+        if not token_ids:
+            raise InvalidArgument("token_ids must not be empty")
+        self.check_token_ids(token_ids, "token_ids")
+        if len(token_ids) >= self.max_context:
+            raise InvalidArgument(
+                f"prompt of {len(token_ids)} tokens does not fit the context of {self.max_context} tokens"
+            )
+        if len(token_ids) > self.kv_budget_tokens:
+            raise ResourceExhausted(
+                f"prompt of {len(token_ids)} tokens exceeds this replica's KV budget of {self.kv_budget_tokens} tokens"
+            )
+        with self._lock:
+            if len(self._sessions) >= self.max_sessions:
+                victim = next(iter(self._sessions))
+                del self._sessions[victim]
+                self.evictions += 1
+                log(logger, logging.INFO, "evicted session for max_sessions", session_id=victim)
+        self._make_room(len(token_ids))
+        seed = None if cfg.seed is None else cfg.seed + rng_offset
+        sess = TargetSession(
+            session_id=uuid.uuid4().hex,
+            cfg=cfg,
+            generator=make_generator(seed),
+            cache=DynamicCache(config=self.model.config),
+        )
+        logits = self._forward(sess.cache, token_ids)
+        sess.cache_len = len(token_ids)
+        nxt: int | None = None
+        gap = 0.0
+        if sample_next:
+            nxt = self._pick(logits[-1], sess)
+            gap = logit_gaps(logits[-1:])[0]
+        with self._lock:
+            self._sessions[sess.session_id] = sess
+        return PrefillOutcome(sess.session_id, nxt, gap, sess.cache_len)
+
+    def verify(
+        self,
+        session_id: str,
+        cache_len: int,
+        new_ids: Sequence[int],
+        draft_ids: Sequence[int],
+        draft_q: Sequence[SparseQ | None],
+    ) -> VerifyOutcome:
+        """Runs new_ids + draft_ids through the model in one pass and verifies the span.
+
+        Rows of the logits used: the last new token's row scores draft_ids[0],
+        ...; row γ (after the last drafted token) gives the bonus. The cache
+        keeps new_ids + the accepted prefix; the next token is *not* cached
+        (the caller sends it as the next round's new_ids).
+        """
+        sess = self._get(session_id)
+        if not new_ids:
+            raise InvalidArgument("new_token_ids must hold at least one token")
+        if len(draft_ids) > self.max_span:
+            raise InvalidArgument(f"drafted span of {len(draft_ids)} exceeds the limit {self.max_span}")
+        self.check_token_ids(new_ids, "new_token_ids")
+        self.check_token_ids(draft_ids, "draft_token_ids")
+        if not sess.cfg.greedy:
+            self.check_draft_q(draft_ids, draft_q)
+        if cache_len != sess.cache_len:
+            raise FailedPrecondition(
+                f"cache_len mismatch: session holds {sess.cache_len} tokens, request assumes {cache_len}"
+            )
+        total = sess.cache_len + len(new_ids) + len(draft_ids)
+        if total >= self.max_context:
+            raise InvalidArgument(f"sequence of {total} tokens exceeds the context of {self.max_context} tokens")
+        self._make_room(len(new_ids) + len(draft_ids), keep=session_id)
+        with self._lock:
+            if session_id not in self._sessions:  # cannot happen (keep=), defensive
+                raise NotFound(f"target session {session_id!r} was evicted")
+        logits = self._forward(sess.cache, list(new_ids) + list(draft_ids))
+        rows = logits[len(new_ids) - 1 :]  # [γ+1, V]
+        gamma = len(draft_ids)
+        if sess.cfg.greedy:
+            res = greedy_verify(draft_ids, torch.argmax(rows, dim=-1).tolist())
+        elif gamma == 0:
+            res = VerifyResult(0, self._pick(rows[0], sess), True)
+        else:
+            probs = process_logits(rows, sess.cfg)
+            res = rejection_sample(draft_ids, draft_q, probs, sess.generator)
+        keep = sess.cache_len + len(new_ids) + res.num_accepted
+        written = sess.cache_len + len(new_ids) + gamma
+        if written > keep:
+            sess.cache.crop(keep - written)  # negative: tokens to remove
+        sess.cache_len = keep
+        gaps = logit_gaps(rows[: res.num_accepted + 1])
+        return VerifyOutcome(res, keep, gaps)
+
+
+def _eos_ids(model: torch.nn.Module) -> list[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        val = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(val, int):
+            ids.add(val)
+        elif isinstance(val, (list, tuple)):
+            ids.update(int(v) for v in val)
+    return sorted(ids)

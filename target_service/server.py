@@ -1,0 +1,210 @@
+"""gRPC servicer for ``specdec.v1.Target``: thin validation and dispatch to
+:class:`target_service.engine.TargetEngine` on the model worker thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from specdec.errors import InvalidArgument, Unavailable
+from specdec.grpc_util import ModelWorker, ServerHandle, start_server, translate_errors
+from specdec.logging_util import log
+from specdec.sampling import SamplingConfig
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service.config import TargetServiceConfig
+from target_service.engine import SparseQ, TargetEngine
+
+logger = logging.getLogger("specdec.target")
+
+
+def _timings(t: object) -> common_pb2.Timings:
+    return common_pb2.Timings(queue_ms=t.queue_ms, compute_ms=t.compute_ms)  # type: ignore[attr-defined]
+
+
+def _sparse_q(msgs: object) -> list[SparseQ | None]:
+    return [
+        (np.asarray(m.token_ids, dtype=np.int64), np.asarray(m.probs, dtype=np.float32))  # type: ignore[attr-defined]
+        for m in msgs  # type: ignore[attr-defined]
+    ]
+
+
+class TargetServicer(target_pb2_grpc.TargetServicer):
+    """Answers UNAVAILABLE until ``engine`` is set (the model is loading)."""
+
+    def __init__(self, worker: ModelWorker) -> None:
+        self.worker = worker
+        self._engine: TargetEngine | None = None
+        self.fingerprint = ""
+
+    def attach(self, engine: TargetEngine, tokenizer_fingerprint: str) -> None:
+        self._engine = engine
+        self.fingerprint = tokenizer_fingerprint
+
+    @property
+    def engine(self) -> TargetEngine:
+        if self._engine is None:
+            raise Unavailable("the target model is still loading")
+        return self._engine
+
+    @translate_errors
+    async def GetModelInfo(
+        self, request: common_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ModelInfo:
+        e = self.engine
+        return common_pb2.ModelInfo(
+            model_name=e.model_name,
+            vocab_size=e.vocab_size,
+            eos_token_ids=e.eos_token_ids,
+            max_context_tokens=e.max_context,
+            dtype=str(e.dtype).removeprefix("torch."),
+            device=str(e.device),
+            tokenizer_fingerprint=self.fingerprint,
+        )
+
+    @translate_errors
+    async def Prefill(
+        self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.PrefillResponse:
+        cfg = SamplingConfig.from_proto(request.sampling)
+        ids = list(request.token_ids)
+        if not ids:
+            raise InvalidArgument("token_ids must not be empty")
+        out, t = await self.worker.run(
+            self.engine.prefill, ids, cfg, request.sample_next_token, int(request.rng_offset)
+        )
+        if context.cancelled():  # the caller is gone: do not leak the session
+            self.engine.release(out.session_id)
+        return target_pb2.PrefillResponse(
+            session_id=out.session_id,
+            has_next_token=out.next_token is not None,
+            next_token_id=out.next_token or 0,
+            next_token_logit_gap=out.logit_gap,
+            cache_len=out.cache_len,
+            timings=_timings(t),
+        )
+
+    @translate_errors
+    async def Verify(
+        self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.VerifyResponse:
+        if not request.session_id:
+            raise InvalidArgument("session_id is required")
+        draft_ids = list(request.draft_token_ids)
+        q = _sparse_q(request.draft_probs)
+        if not q:
+            q = [None] * len(draft_ids)  # a drafter without probabilities: one-hot q
+        out, t = await self.worker.run(
+            self.engine.verify,
+            request.session_id,
+            int(request.cache_len),
+            list(request.new_token_ids),
+            draft_ids,
+            q,
+        )
+        return target_pb2.VerifyResponse(
+            num_accepted=out.result.num_accepted,
+            next_token_id=out.result.next_token,
+            next_is_bonus=out.result.is_bonus,
+            cache_len=out.cache_len,
+            logit_gaps=out.logit_gaps,
+            timings=_timings(t),
+            batch_size=1,
+        )
+
+    @translate_errors
+    async def Release(
+        self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ReleaseResponse:
+        if not request.session_id:
+            raise InvalidArgument("session_id is required")
+        released, _ = await self.worker.run(self.engine.release, request.session_id)
+        return common_pb2.ReleaseResponse(released=released)
+
+
+@dataclass
+class TargetServer:
+    handle: ServerHandle
+    engine: TargetEngine
+    worker: ModelWorker
+    reaper: asyncio.Task[None]
+
+    @property
+    def port(self) -> int:
+        return self.handle.port
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        self.reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.reaper
+        await self.handle.stop(grace)
+        self.worker.shutdown()
+
+
+async def _reap(engine: TargetEngine, worker: ModelWorker, ttl_s: float) -> None:
+    while True:
+        await asyncio.sleep(max(1.0, ttl_s / 4))
+        await worker.run(engine.reap_idle, ttl_s)
+
+
+def load_engine(config: TargetServiceConfig) -> tuple[TargetEngine, str]:
+    """Resolves the model spec and loads the engine (blocking; run off the loop)."""
+    from transformers import AutoTokenizer
+
+    from specdec.models import default_cache_dir, resolve
+    from specdec.tokenization import tokenizer_fingerprint
+
+    resolved = resolve(config.model, Path(config.cache_dir or default_cache_dir()))
+    engine = TargetEngine(
+        resolved.hf_dir,
+        dtype=config.dtype,
+        device=config.device,
+        threads=config.threads,
+        max_sessions=config.max_sessions,
+        kv_budget_tokens=config.kv_budget_tokens,
+        max_context_tokens=config.max_context_tokens,
+        max_span=config.max_span,
+        max_draft_support=config.max_draft_support,
+        model_name=resolved.name,
+    )
+    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(resolved.hf_dir)))
+    return engine, fingerprint
+
+
+def _warmup(engine: TargetEngine) -> None:
+    out = engine.prefill([0, 1, 2, 3], SamplingConfig(), True)
+    engine.verify(out.session_id, out.cache_len, [out.next_token or 0], [1, 2, 3, 4], [None] * 4)
+    engine.release(out.session_id)
+
+
+async def start(config: TargetServiceConfig) -> TargetServer:
+    """Binds the port (health NOT_SERVING), loads and warms the model off the
+    event loop, then flips health to SERVING."""
+    worker = ModelWorker("target-model", max_queue=config.max_queue)
+    servicer = TargetServicer(worker)
+    handle = await start_server(
+        lambda server: target_pb2_grpc.add_TargetServicer_to_server(servicer, server),
+        [target_pb2.DESCRIPTOR.services_by_name["Target"].full_name],
+        config.host,
+        config.port,
+        config.max_message_bytes,
+    )
+    log(logger, logging.INFO, "target service listening (loading model)", port=handle.port)
+    try:
+        (engine, fingerprint), _ = await worker.run(load_engine, config)
+        if config.warmup:
+            await worker.run(_warmup, engine)
+    except BaseException:
+        await handle.stop(0)
+        worker.shutdown()
+        raise
+    servicer.attach(engine, fingerprint)
+    reaper = asyncio.create_task(_reap(engine, worker, config.session_ttl_s))
+    await handle.set_serving(True)
+    log(logger, logging.INFO, "target service ready", port=handle.port, model=engine.model_name)
+    return TargetServer(handle, engine, worker, reaper)

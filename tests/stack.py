@@ -1,0 +1,233 @@
+"""Real services on loopback for tests: target, draft and orchestrator on
+port 0, run on an asyncio loop in a background thread (or the draft in a
+separate process, for kill tests). Tests talk to them with ordinary sync
+gRPC stubs, as a client would."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Coroutine, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from draft_service.config import DraftServiceConfig, DrafterSpec
+from orchestrator.config import OrchestratorConfig
+from specdec.v1 import draft_pb2_grpc, orchestrator_pb2 as pb, orchestrator_pb2_grpc, target_pb2_grpc
+from target_service.config import TargetServiceConfig
+
+T = TypeVar("T")
+REPO = Path(__file__).resolve().parent.parent
+
+
+class LoopThread:
+    """An asyncio loop on a daemon thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = 600) -> T:
+        fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_serving(address: str, timeout_s: float = 300, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"service process exited with {proc.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.3)
+    raise TimeoutError(f"{address} did not become SERVING")
+
+
+@dataclass
+class Stack:
+    """target + draft + orchestrator; ``draft_proc`` when the draft is a subprocess."""
+
+    loop: LoopThread
+    target: Any
+    draft: Any | None
+    orchestrator: Any
+    draft_proc: subprocess.Popen[bytes] | None = None
+    channels: list[grpc.Channel] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.orchestrator.port}"
+
+    def channel(self, address: str | None = None, **opts: Any) -> grpc.Channel:
+        ch = grpc.insecure_channel(address or self.address, options=list(opts.items()))
+        self.channels.append(ch)
+        return ch
+
+    def orch_stub(self) -> orchestrator_pb2_grpc.OrchestratorStub:
+        return orchestrator_pb2_grpc.OrchestratorStub(self.channel())
+
+    def target_stub(self) -> target_pb2_grpc.TargetStub:
+        return target_pb2_grpc.TargetStub(self.channel(f"127.0.0.1:{self.target.port}"))
+
+    def draft_stub(self) -> draft_pb2_grpc.DraftStub:
+        assert self.draft is not None
+        return draft_pb2_grpc.DraftStub(self.channel(f"127.0.0.1:{self.draft.port}"))
+
+    def generate(self, stub: Any | None = None, timeout: float = 300, **fields: Any) -> dict[str, Any]:
+        """Runs one Generate call; returns text, token_ids, finish_reason, stats."""
+        req = make_request(**fields)
+        chunks = list((stub or self.orch_stub()).Generate(req, timeout=timeout))
+        last = chunks[-1]
+        return {
+            "text": "".join(c.text for c in chunks),
+            "token_ids": [t for c in chunks for t in c.token_ids],
+            "finish_reason": last.finish_reason,
+            "stats": last.stats,
+            "chunks": chunks,
+        }
+
+    def target_sessions(self) -> int:
+        return self.target.engine.num_sessions
+
+    def draft_sessions(self) -> int:
+        return len(self.draft.sessions) if self.draft is not None else 0
+
+    def wait_no_sessions(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.target_sessions() == 0 and self.draft_sessions() == 0:
+                return
+            time.sleep(0.05)
+        raise AssertionError(
+            f"sessions leaked: target={self.target_sessions()} draft={self.draft_sessions()}"
+        )
+
+    def close(self) -> None:
+        for ch in self.channels:
+            ch.close()
+        self.loop.run(self.orchestrator.stop(0))
+        if self.draft is not None:
+            self.loop.run(self.draft.stop(0))
+        self.loop.run(self.target.stop(0))
+        if self.draft_proc is not None and self.draft_proc.poll() is None:
+            self.draft_proc.kill()
+            self.draft_proc.wait()
+        self.loop.close()
+
+
+def make_request(
+    *,
+    prompt: str = "",
+    prompt_token_ids: list[int] | None = None,
+    messages: list[tuple[str, str]] | None = None,
+    max_new_tokens: int = 16,
+    temperature: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    mode: str = "fixed",
+    gamma: int = 4,
+    drafter: str = "",
+    stop: list[str] | None = None,
+    ignore_eos: bool = True,
+) -> pb.GenerateRequest:
+    modes = {"auto": pb.SPECULATION_MODE_AUTO, "off": pb.SPECULATION_MODE_OFF, "fixed": pb.SPECULATION_MODE_FIXED}
+    req = pb.GenerateRequest(
+        prompt=prompt,
+        prompt_token_ids=prompt_token_ids or [],
+        max_new_tokens=max_new_tokens,
+        stop=stop or [],
+        ignore_eos=ignore_eos,
+        speculation=pb.SpeculationConfig(mode=modes[mode], num_draft_tokens=gamma, drafter=drafter),
+    )
+    req.sampling.temperature = temperature
+    req.sampling.top_p = top_p
+    req.sampling.top_k = top_k
+    if seed is not None:
+        req.sampling.seed = seed
+    for role, content in messages or []:
+        req.messages.append(pb.ChatMessage(role=role, content=content))
+    return req
+
+
+def start_stack(
+    target_dir: Path,
+    draft_dir: Path | None,
+    cache_dir: Path,
+    *,
+    target_dtype: str = "float32",
+    draft_precision: str = "fp32",
+    draft_subprocess: bool = False,
+    target_overrides: dict[str, Any] | None = None,
+    orchestrator_overrides: dict[str, Any] | None = None,
+    draft_name: str = "tiny-draft",
+) -> Stack:
+    from draft_service.server import start as start_draft
+    from orchestrator.server import start as start_orch
+    from target_service.server import start as start_target
+
+    loop = LoopThread()
+    tcfg = TargetServiceConfig(model=str(target_dir), port=0, dtype=target_dtype, cache_dir=cache_dir,
+                               **(target_overrides or {}))
+    target = loop.run(start_target(tcfg))
+    draft = None
+    proc = None
+    draft_addr = ""
+    if draft_dir is not None and draft_subprocess:
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "specdec.cli", "serve", "draft", "--model", str(draft_dir), "--port", str(port),
+             "--precision", draft_precision, "--cache-dir", str(cache_dir), "--log-level", "warning"],
+            cwd=REPO, start_new_session=True,
+        )
+        draft_addr = f"127.0.0.1:{port}"
+        wait_serving(draft_addr, proc=proc)
+    elif draft_dir is not None:
+        dcfg = DraftServiceConfig(
+            drafters=[DrafterSpec(name=draft_name, model=str(draft_dir), precision=draft_precision)],
+            port=0, cache_dir=cache_dir,
+        )
+        draft = loop.run(start_draft(dcfg))
+        draft_addr = f"127.0.0.1:{draft.port}"
+    ocfg = OrchestratorConfig(target_address=f"127.0.0.1:{target.port}", draft_address=draft_addr,
+                              tokenizer=str(target_dir), port=0, cache_dir=cache_dir,
+                              **(orchestrator_overrides or {}))
+    orch = loop.run(start_orch(ocfg))
+    stack = Stack(loop, target, draft, orch, proc)
+    if draft_addr:  # wait until the orchestrator attached the draft
+        deadline = time.monotonic() + 60
+        while orch.servicer.draft is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert orch.servicer.draft is not None, "draft was not attached"
+    return stack
+
+
+def kill(proc: subprocess.Popen[bytes]) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

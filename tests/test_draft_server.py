@@ -1,0 +1,263 @@
+"""The draft gRPC service on 127.0.0.1 (port 0) with tiny real models:
+health, model info, propose/release, status codes, limits, no session leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from transformers import AutoTokenizer
+
+from draft_service.config import DraftServiceConfig, DrafterSpec
+from draft_service.drafter import OnnxDrafter
+from draft_service.onnx_model import OnnxCausalLM
+from draft_service.server import DraftServer, start
+from specdec.sampling import SamplingConfig
+from specdec.tokenization import tokenizer_fingerprint
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+if TYPE_CHECKING:
+    from tests.conftest import TinyModels, TinyOnnx
+
+
+def _config(tiny_models: TinyModels, tiny_onnx: TinyOnnx, **overrides: Any) -> DraftServiceConfig:
+    cfg = DraftServiceConfig(
+        drafters=[
+            DrafterSpec(name="tiny", model=str(tiny_models.draft), precision="fp32"),
+            DrafterSpec(name="other", model=str(tiny_models.uncorrelated), precision="fp32"),
+        ],
+        host="127.0.0.1",
+        port=0,
+        intra_op_threads=1,
+        cache_dir=tiny_onnx.cache_dir,
+        max_sessions=8,
+    )
+    return dataclasses.replace(cfg, **overrides)
+
+
+@contextlib.asynccontextmanager
+async def serve(config: DraftServiceConfig) -> AsyncIterator[tuple[DraftServer, draft_pb2_grpc.DraftStub, grpc.aio.Channel]]:
+    server = await start(config)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        yield server, draft_pb2_grpc.DraftStub(channel), channel
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def _code(coro: Any) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await coro
+    return e.value.code()
+
+
+def test_health_info_propose_release(tiny_models: TinyModels, tiny_onnx: TinyOnnx) -> None:
+    async def main() -> None:
+        async with serve(_config(tiny_models, tiny_onnx)) as (server, stub, channel):
+            health = health_pb2_grpc.HealthStub(channel)
+            for service in ("", "specdec.v1.Draft"):
+                r = await health.Check(health_pb2.HealthCheckRequest(service=service))
+                assert r.status == health_pb2.HealthCheckResponse.SERVING
+
+            info = await stub.GetModelInfo(common_pb2.ModelInfoRequest())
+            fp = tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(tiny_models.draft)))
+            assert (info.model_name, info.vocab_size, list(info.eos_token_ids)) == ("draft", 34, [0])
+            assert (info.tokenizer_fingerprint, info.dtype, info.device, info.max_context_tokens) == (
+                fp,
+                "fp32",
+                "cpu",
+                512,
+            )
+
+            created = await stub.CreateSession(draft_pb2.CreateDraftSessionRequest())
+            assert created.drafter == "tiny" and len(created.session_id) == 32
+            sid = created.session_id
+            prompt = [5, 6, 7, 8, 9]
+            r = await stub.Propose(draft_pb2.ProposeRequest(session_id=sid, base_len=0, new_token_ids=prompt, num_tokens=4))
+            assert len(r.token_ids) == len(r.probs) == 4 and r.committed_len == 5
+            assert r.timings.compute_ms > 0 and r.timings.queue_ms >= 0
+            for x, q in zip(r.token_ids, r.probs):  # greedy: one-hot q
+                assert list(q.token_ids) == [x] and list(q.probs) == [1.0]
+            # same as the drafter in-process
+            local = OnnxDrafter("x", OnnxCausalLM(tiny_onnx.draft_fp32, execution="cpu", intra_op_threads=1))
+            want = local.propose(local.new_state(), prompt, 4, SamplingConfig(), np.random.default_rng())
+            assert list(r.token_ids) == want.token_ids
+            # next round: two drafted tokens accepted + a different recovered token
+            nxt = [r.token_ids[0], r.token_ids[1], (r.token_ids[2] + 1) % 34]
+            r2 = await stub.Propose(draft_pb2.ProposeRequest(session_id=sid, base_len=5, new_token_ids=nxt, num_tokens=3))
+            want2 = local.propose(local.new_state(), prompt + nxt, 3, SamplingConfig(), np.random.default_rng())
+            assert list(r2.token_ids) == want2.token_ids and r2.committed_len == 8
+
+            # the other drafter, by name
+            other = await stub.CreateSession(draft_pb2.CreateDraftSessionRequest(drafter="other"))
+            assert other.drafter == "other"
+            assert len(server.sessions) == 2
+
+            rel = await stub.Release(common_pb2.ReleaseRequest(session_id=sid))
+            assert rel.released
+            assert await _code(stub.Release(common_pb2.ReleaseRequest(session_id=sid))) == grpc.StatusCode.NOT_FOUND
+            req = draft_pb2.ProposeRequest(session_id=sid, base_len=0, new_token_ids=[1], num_tokens=1)
+            assert await _code(stub.Propose(req)) == grpc.StatusCode.NOT_FOUND
+            await stub.Release(common_pb2.ReleaseRequest(session_id=other.session_id))
+            assert len(server.sessions) == 0
+
+    asyncio.run(main())
+
+
+def test_status_codes(tiny_models: TinyModels, tiny_onnx: TinyOnnx) -> None:
+    async def main() -> None:
+        async with serve(_config(tiny_models, tiny_onnx, max_span=16)) as (server, stub, _):
+            sid = (await stub.CreateSession(draft_pb2.CreateDraftSessionRequest())).session_id
+            await stub.Propose(draft_pb2.ProposeRequest(session_id=sid, new_token_ids=[1, 2, 3], num_tokens=2))
+
+            def propose(**kw: Any) -> Any:
+                kw.setdefault("session_id", sid)
+                kw.setdefault("num_tokens", 2)
+                return stub.Propose(draft_pb2.ProposeRequest(**kw))
+
+            invalid = grpc.StatusCode.INVALID_ARGUMENT
+            assert await _code(propose(base_len=3, new_token_ids=[34])) == invalid  # id == vocab
+            assert await _code(propose(base_len=3, new_token_ids=[-5])) == invalid
+            assert await _code(propose(base_len=3, new_token_ids=[1], num_tokens=0)) == invalid
+            assert await _code(propose(base_len=3, new_token_ids=[1], num_tokens=17)) == invalid
+            assert await _code(propose(base_len=0, new_token_ids=[])) == invalid  # empty context
+            assert await _code(propose(base_len=4, new_token_ids=[1])) == grpc.StatusCode.FAILED_PRECONDITION
+            assert await _code(propose(session_id="feed", new_token_ids=[1])) == grpc.StatusCode.NOT_FOUND
+            # a failed call left the session usable, with its 3 committed tokens
+            ok = await propose(base_len=3, new_token_ids=[4], num_tokens=16)
+            assert ok.committed_len == 4 and len(ok.token_ids) == 16
+
+            bad_sampling = draft_pb2.CreateDraftSessionRequest(sampling=common_pb2.SamplingParams(temperature=-1))
+            assert await _code(stub.CreateSession(bad_sampling)) == invalid
+            assert await _code(stub.CreateSession(draft_pb2.CreateDraftSessionRequest(drafter="nope"))) == invalid
+            assert len(server.sessions) == 1
+
+    asyncio.run(main())
+
+
+def test_session_limit(tiny_models: TinyModels, tiny_onnx: TinyOnnx) -> None:
+    async def main() -> None:
+        async with serve(_config(tiny_models, tiny_onnx, max_sessions=2)) as (server, stub, _):
+            a = await stub.CreateSession(draft_pb2.CreateDraftSessionRequest())
+            await stub.CreateSession(draft_pb2.CreateDraftSessionRequest())
+            code = await _code(stub.CreateSession(draft_pb2.CreateDraftSessionRequest()))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            await stub.Release(common_pb2.ReleaseRequest(session_id=a.session_id))
+            await stub.CreateSession(draft_pb2.CreateDraftSessionRequest())
+            assert len(server.sessions) == 2
+
+    asyncio.run(main())
+
+
+def test_seeded_sampling_is_reproducible(tiny_models: TinyModels, tiny_onnx: TinyOnnx) -> None:
+    async def main() -> None:
+        async with serve(_config(tiny_models, tiny_onnx)) as (_, stub, _ch):
+            sampling = common_pb2.SamplingParams(temperature=0.9, top_k=8, seed=1234)
+            runs = []
+            for _ in range(2):
+                sid = (await stub.CreateSession(draft_pb2.CreateDraftSessionRequest(sampling=sampling))).session_id
+                r1 = await stub.Propose(draft_pb2.ProposeRequest(session_id=sid, new_token_ids=[3, 4, 5], num_tokens=6))
+                r2 = await stub.Propose(
+                    draft_pb2.ProposeRequest(session_id=sid, base_len=3, new_token_ids=list(r1.token_ids[:2]), num_tokens=6)
+                )
+                runs.append([(list(r.token_ids), [(list(q.token_ids), list(q.probs)) for q in r.probs]) for r in (r1, r2)])
+                for r in (r1, r2):
+                    for x, q in zip(r.token_ids, r.probs):
+                        assert x in q.token_ids and len(q.token_ids) <= 8
+                        assert abs(sum(q.probs) - 1.0) < 1e-5
+            assert runs[0] == runs[1]
+
+    asyncio.run(main())
+
+
+def test_concurrent_clients_leave_no_sessions_and_idle_ones_are_reaped(
+    tiny_models: TinyModels, tiny_onnx: TinyOnnx
+) -> None:
+    async def client(stub: draft_pb2_grpc.DraftStub, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        sid = (await stub.CreateSession(draft_pb2.CreateDraftSessionRequest())).session_id
+        try:
+            committed = [int(x) for x in rng.integers(1, 34, 6)]
+            r = await stub.Propose(draft_pb2.ProposeRequest(session_id=sid, new_token_ids=committed, num_tokens=4))
+            for _ in range(5):
+                k = int(rng.integers(0, len(r.token_ids) + 1))
+                new = list(r.token_ids[:k]) + [int(rng.integers(1, 34))]
+                r = await stub.Propose(
+                    draft_pb2.ProposeRequest(session_id=sid, base_len=len(committed), new_token_ids=new, num_tokens=4)
+                )
+                committed += new
+                assert r.committed_len == len(committed)
+        finally:
+            await stub.Release(common_pb2.ReleaseRequest(session_id=sid))
+
+    async def main() -> None:
+        async with serve(_config(tiny_models, tiny_onnx, session_ttl_s=1.0)) as (server, stub, _):
+            await asyncio.gather(*(client(stub, i) for i in range(8)))
+            assert len(server.sessions) == 0 and server.sessions.created_total == 8
+            # an abandoned session is reaped after the TTL
+            sid = (await stub.CreateSession(draft_pb2.CreateDraftSessionRequest())).session_id
+            assert len(server.sessions) == 1
+            for _ in range(40):
+                await asyncio.sleep(0.1)
+                if len(server.sessions) == 0:
+                    break
+            assert len(server.sessions) == 0
+            req = draft_pb2.ProposeRequest(session_id=sid, new_token_ids=[1], num_tokens=1)
+            assert await _code(stub.Propose(req)) == grpc.StatusCode.NOT_FOUND
+
+    asyncio.run(main())
+
+
+def test_not_serving_and_unavailable_while_loading(
+    tiny_models: TinyModels, tiny_onnx: TinyOnnx, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+    import threading
+
+    import draft_service.server as server_mod
+
+    release = threading.Event()
+    real_load = server_mod.load_drafter
+
+    def slow_load(*args: Any) -> Any:
+        release.wait(30)
+        return real_load(*args)
+
+    monkeypatch.setattr(server_mod, "load_drafter", slow_load)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main() -> None:
+        task = asyncio.create_task(start(_config(tiny_models, tiny_onnx, port=port)))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            stub = draft_pb2_grpc.DraftStub(channel)
+            status = None
+            for _ in range(100):
+                try:
+                    status = (await health.Check(health_pb2.HealthCheckRequest(), timeout=1)).status
+                    break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.05)
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            code = await _code(stub.GetModelInfo(common_pb2.ModelInfoRequest()))
+            assert code == grpc.StatusCode.UNAVAILABLE
+            code = await _code(stub.CreateSession(draft_pb2.CreateDraftSessionRequest()))
+            assert code == grpc.StatusCode.UNAVAILABLE
+            release.set()
+            server = await task
+            try:
+                r = await health.Check(health_pb2.HealthCheckRequest())
+                assert r.status == health_pb2.HealthCheckResponse.SERVING
+            finally:
+                await server.stop(0)
+
+    asyncio.run(main())
