@@ -207,7 +207,7 @@ def _run_builder(hf_dir: Path, out: Path, cache: Path, precision: str, execution
         assert proc.stdout is not None
         buf = b""
         while True:
-            chunk = proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(4096)
+            chunk = proc.stdout.read1(65536)
             if not chunk:
                 break
             buf += chunk

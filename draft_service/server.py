@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from draft_service.config import DraftServiceConfig, DrafterSpec
+from draft_service.config import DrafterSpec, DraftServiceConfig
 from draft_service.drafter import OnnxDrafter
 from draft_service.sessions import SessionStore
 from specdec.errors import InvalidArgument, Unavailable

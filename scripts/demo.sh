@@ -11,7 +11,7 @@ PROMPT=${1:-Write a Python function that returns the n-th Fibonacci number itera
 READY=$(mktemp -d)/ready.json
 .venv/bin/specdec up --ready-file "$READY" &
 UP=$!
-trap 'kill -INT $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
+trap 'kill -TERM $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
 while [ ! -s "$READY" ]; do
   if ! kill -0 $UP 2>/dev/null; then echo "specdec up failed" >&2; exit 1; fi
   sleep 2

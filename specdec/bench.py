@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import statistics
 import subprocess
 import sys
@@ -42,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     p.add_argument("--no-cost-curve", action="store_true")
     p.add_argument("--cache-dir", type=Path, default=None)
+    p.add_argument("--up-args", default="", help="extra flags for `specdec up` with --launch (one string)")
 
 
 def leviathan(alpha: float, gamma: int, c: float) -> tuple[float, float]:
@@ -297,6 +299,7 @@ def main(a: argparse.Namespace) -> int:
             cmd += ["--draft-model", a.draft_model]
         if a.cache_dir:
             cmd += ["--cache-dir", str(a.cache_dir)]
+        cmd += shlex.split(a.up_args)
         proc = subprocess.Popen(cmd)
         while not ready.exists():
             if proc.poll() is not None:

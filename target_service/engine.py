@@ -216,11 +216,12 @@ class TargetEngine:
 
     # ---------------------------------------------------------------- compute
     @torch.inference_mode()
-    def _forward(self, cache: DynamicCache, ids: Sequence[int]) -> torch.Tensor:
-        """Appends ``ids`` to ``cache``; returns logits [len(ids), V] (float32)."""
+    def _forward(self, cache: DynamicCache, ids: Sequence[int], keep: int) -> torch.Tensor:
+        """Appends ``ids`` to ``cache``; returns the logits of the last ``keep``
+        positions, [keep, V] float32 (the LM head runs on those rows only)."""
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_kwarg: cache})
-        return out.logits[0].float()
+        out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=keep, **{self._cache_kwarg: cache})
+        return out.logits[0, -keep:].float()
 
     def _pick(self, logits: torch.Tensor, sess: TargetSession) -> int:
         """One plain decoding step from logits [V]."""
@@ -256,7 +257,7 @@ class TargetEngine:
             generator=make_generator(seed),
             cache=DynamicCache(config=self.model.config),
         )
-        logits = self._forward(sess.cache, token_ids)
+        logits = self._forward(sess.cache, token_ids, 1)
         sess.cache_len = len(token_ids)
         nxt: int | None = None
         gap = 0.0
@@ -302,9 +303,8 @@ class TargetEngine:
         with self._lock:
             if session_id not in self._sessions:  # cannot happen (keep=), defensive
                 raise NotFound(f"target session {session_id!r} was evicted")
-        logits = self._forward(sess.cache, list(new_ids) + list(draft_ids))
-        rows = logits[len(new_ids) - 1 :]  # [γ+1, V]
         gamma = len(draft_ids)
+        rows = self._forward(sess.cache, list(new_ids) + list(draft_ids), gamma + 1)  # [γ+1, V]
         if sess.cfg.greedy:
             res = greedy_verify(draft_ids, torch.argmax(rows, dim=-1).tolist())
         elif gamma == 0:

@@ -5,11 +5,10 @@ and the q returned per position is exactly the distribution that was sampled
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import copy
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest

@@ -4,11 +4,10 @@ forward, in both KV-cache modes."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest

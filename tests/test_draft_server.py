@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoTokenizer
 
-from draft_service.config import DraftServiceConfig, DrafterSpec
+from draft_service.config import DrafterSpec, DraftServiceConfig
 from draft_service.drafter import OnnxDrafter
 from draft_service.onnx_model import OnnxCausalLM
 from draft_service.server import DraftServer, start
@@ -42,7 +42,9 @@ def _config(tiny_models: TinyModels, tiny_onnx: TinyOnnx, **overrides: Any) -> D
 
 
 @contextlib.asynccontextmanager
-async def serve(config: DraftServiceConfig) -> AsyncIterator[tuple[DraftServer, draft_pb2_grpc.DraftStub, grpc.aio.Channel]]:
+async def serve(
+    config: DraftServiceConfig,
+) -> AsyncIterator[tuple[DraftServer, draft_pb2_grpc.DraftStub, grpc.aio.Channel]]:
     server = await start(config)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     try:
@@ -50,6 +52,10 @@ async def serve(config: DraftServiceConfig) -> AsyncIterator[tuple[DraftServer, 
     finally:
         await channel.close()
         await server.stop(0)
+
+
+def preq(sid: str, new: list[int], num_tokens: int, base_len: int = 0) -> draft_pb2.ProposeRequest:
+    return draft_pb2.ProposeRequest(session_id=sid, base_len=base_len, new_token_ids=new, num_tokens=num_tokens)
 
 
 async def _code(coro: Any) -> grpc.StatusCode:
@@ -80,7 +86,7 @@ def test_health_info_propose_release(tiny_models: TinyModels, tiny_onnx: TinyOnn
             assert created.drafter == "tiny" and len(created.session_id) == 32
             sid = created.session_id
             prompt = [5, 6, 7, 8, 9]
-            r = await stub.Propose(draft_pb2.ProposeRequest(session_id=sid, base_len=0, new_token_ids=prompt, num_tokens=4))
+            r = await stub.Propose(preq(sid, prompt, 4))
             assert len(r.token_ids) == len(r.probs) == 4 and r.committed_len == 5
             assert r.timings.compute_ms > 0 and r.timings.queue_ms >= 0
             for x, q in zip(r.token_ids, r.probs):  # greedy: one-hot q
@@ -91,7 +97,7 @@ def test_health_info_propose_release(tiny_models: TinyModels, tiny_onnx: TinyOnn
             assert list(r.token_ids) == want.token_ids
             # next round: two drafted tokens accepted + a different recovered token
             nxt = [r.token_ids[0], r.token_ids[1], (r.token_ids[2] + 1) % 34]
-            r2 = await stub.Propose(draft_pb2.ProposeRequest(session_id=sid, base_len=5, new_token_ids=nxt, num_tokens=3))
+            r2 = await stub.Propose(preq(sid, nxt, 3, base_len=5))
             want2 = local.propose(local.new_state(), prompt + nxt, 3, SamplingConfig(), np.random.default_rng())
             assert list(r2.token_ids) == want2.token_ids and r2.committed_len == 8
 
@@ -163,11 +169,10 @@ def test_seeded_sampling_is_reproducible(tiny_models: TinyModels, tiny_onnx: Tin
             runs = []
             for _ in range(2):
                 sid = (await stub.CreateSession(draft_pb2.CreateDraftSessionRequest(sampling=sampling))).session_id
-                r1 = await stub.Propose(draft_pb2.ProposeRequest(session_id=sid, new_token_ids=[3, 4, 5], num_tokens=6))
-                r2 = await stub.Propose(
-                    draft_pb2.ProposeRequest(session_id=sid, base_len=3, new_token_ids=list(r1.token_ids[:2]), num_tokens=6)
-                )
-                runs.append([(list(r.token_ids), [(list(q.token_ids), list(q.probs)) for q in r.probs]) for r in (r1, r2)])
+                r1 = await stub.Propose(preq(sid, [3, 4, 5], 6))
+                r2 = await stub.Propose(preq(sid, list(r1.token_ids[:2]), 6, base_len=3))
+                runs.append([(list(r.token_ids), [(list(q.token_ids), list(q.probs)) for q in r.probs])
+                             for r in (r1, r2)])
                 for r in (r1, r2):
                     for x, q in zip(r.token_ids, r.probs):
                         assert x in q.token_ids and len(q.token_ids) <= 8

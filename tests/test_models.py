@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import stat
 import zipfile
@@ -317,6 +318,43 @@ def test_resolve_builtin_converts_once(tmp_path: Path, monkeypatch: pytest.Monke
     assert [p.name for p in (cache / "hf").iterdir()] == [rm.hf_dir.name]
 
 
+def test_concurrent_resolves_convert_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          fake_convert: list[dict[str, Any]]) -> None:
+    import threading
+    import time
+
+    cache = tmp_path / "cache"
+    fake = _fake_builtin(cache, [b"GGUF" + b"\2" * 60])
+    monkeypatch.setitem(models.BUILTINS, FAKE_NAME, fake)
+    inner = models._convert_into
+
+    def slow(**kw: Any) -> dict[str, Any]:
+        time.sleep(0.3)
+        return inner(**kw)
+
+    monkeypatch.setattr(models, "_convert_into", slow)
+    results: list[ResolvedModel] = []
+    threads = [threading.Thread(target=lambda: results.append(models.resolve(FAKE_NAME, cache, progress=False)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 3 and len({r.hf_dir for r in results}) == 1
+    assert len(fake_convert) == 1
+
+
+def test_import_is_light_and_reads_no_env(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = ("import os, sys; os.environ.pop('HOME', None); import specdec.models as m; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    env = {k: v for k, v in os.environ.items() if k != "SPECDEC_CACHE_DIR"}
+    env["PYTHONPATH"] = str(Path(models.__file__).resolve().parent.parent)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=tmp_path)
+
+
 def test_incomplete_hf_dir_is_redone_and_failure_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_convert: list[dict[str, Any]]
 ) -> None:
@@ -327,6 +365,9 @@ def test_incomplete_hf_dir_is_redone_and_failure_leaves_nothing(
     hf_dir.mkdir(parents=True)
     (hf_dir / "config.json").write_text("{}")  # leftover without marker
     (hf_dir / models.MARKER_NAME).write_text(json.dumps({"format_version": -1, "sha256": fake.sha256}))
+
+    stale = cache / "hf" / f".{hf_dir.name}.tmp-999999"  # a killed run's leftover
+    (stale / "sub").mkdir(parents=True)
 
     def failing(**kw: Any) -> dict[str, Any]:
         Path(kw["out_dir"]).mkdir(parents=True)
@@ -474,14 +515,19 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.timeout(300)
-def test_tiny_gguf_conversion_end_to_end(tiny_gguf: Path, tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiny_gguf_conversion_end_to_end(tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capfd: pytest.CaptureFixture[str],
+                                         caplog: pytest.LogCaptureFixture) -> None:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from transformers.utils.quantization_config import GgufConfig
 
     cache = tmp_path / "cache"
+    caplog.set_level(logging.INFO, logger="specdec.models")  # the child inherits this level
     rm = models.resolve(str(tiny_gguf), cache, progress=False)  # isolated child process
+    err = capfd.readouterr().err
+    assert "gguf-load-dequantize: done" in err  # the child's structured logs reach our stderr ...
+    assert "de-quantizing" not in err  # ... but no progress bars with progress=False
     sha = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
     assert rm.source == "gguf" and rm.sha256 == sha and rm.name == "Tiny_Qwen"
     assert rm.hf_dir == cache / "hf" / f"Tiny_Qwen-{sha[:12]}"

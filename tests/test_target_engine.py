@@ -13,15 +13,12 @@ from transformers import AutoModelForCausalLM
 
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound
 from specdec.sampling import SamplingConfig
-from specdec.tiny import build_tiny_model
 from target_service.engine import TargetEngine
-
-CHARS = "abcdefghijklmnopqrstuvwxyz .,"
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tgt") / "m", chars=CHARS, seed=11)
+def tiny_dir(tiny_models) -> Path:  # type: ignore[no-untyped-def]
+    return tiny_models.target
 
 
 @pytest.fixture(scope="module")
