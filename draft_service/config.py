@@ -9,18 +9,36 @@ from pathlib import Path
 from specdec.grpc_util import DEFAULT_MAX_MESSAGE_BYTES
 
 
+DRAFTER_KINDS = ("onnx", "tli", "prompt-lookup")
+
+
 @dataclass
 class DrafterSpec:
+    """One hosted drafter.
+
+    kind: ``onnx`` (a draft model sharing the target's tokenizer), ``tli`` (a
+    draft model with another tokenizer, token-level intersection; needs
+    ``DraftServiceConfig.target_tokenizer``) or ``prompt-lookup`` (no model;
+    ``model`` is ignored).
+    """
+
     name: str  # the name clients select with CreateDraftSessionRequest.drafter
-    model: str  # a model spec for specdec.models.resolve, or a local HF directory
+    model: str = ""  # a model spec for specdec.models.resolve, or a local HF directory
     precision: str = "int4"  # ONNX export precision: int4 | int8 | fp32 (fp16/bf16 on cuda)
     onnx_dir: Path | None = None  # a ready export (holds model.onnx); skips resolve + export
+    kind: str = "onnx"
+    lookbehind_tokens: int = 8  # tli: draft tokens re-tokenized behind the end each round
+    min_ngram: int = 1  # prompt-lookup: shortest suffix matched
+    max_ngram: int = 4  # prompt-lookup: longest suffix matched (tried first)
 
 
 @dataclass
 class DraftServiceConfig:
     drafters: list[DrafterSpec] = field(default_factory=list)
     default_drafter: str | None = None  # None = the first drafter
+    # The target's tokenizer (model spec or HF directory): the vocabulary that
+    # tli and prompt-lookup drafters propose in, and report in GetModelInfo.
+    target_tokenizer: str | None = None
     host: str = "127.0.0.1"
     port: int = 50052  # 0 = pick a free port
     max_sessions: int = 256
@@ -49,6 +67,17 @@ class DraftServiceConfig:
         names = [d.name for d in self.drafters]
         if len(set(names)) != len(names):
             raise ValueError(f"drafter names must be unique: {names}")
+        for d in self.drafters:
+            if d.kind not in DRAFTER_KINDS:
+                raise ValueError(f"drafter {d.name!r}: kind must be one of {DRAFTER_KINDS}, got {d.kind!r}")
+            if d.kind in ("onnx", "tli") and not d.model and d.onnx_dir is None:
+                raise ValueError(f"drafter {d.name!r} ({d.kind}) needs a model")
+            if d.kind == "tli" and not self.target_tokenizer:
+                raise ValueError(f"drafter {d.name!r} (tli) needs target_tokenizer")
+            if d.kind == "prompt-lookup" and not 1 <= d.min_ngram <= d.max_ngram:
+                raise ValueError(f"drafter {d.name!r}: need 1 <= min_ngram <= max_ngram")
+            if d.lookbehind_tokens < 0:
+                raise ValueError(f"drafter {d.name!r}: lookbehind_tokens must be >= 0")
         if self.default_drafter is not None and self.default_drafter not in names:
             raise ValueError(f"default_drafter {self.default_drafter!r} is not one of {names}")
         if self.max_span < 1 or self.max_support < 1 or self.max_sessions < 1:

@@ -29,11 +29,21 @@ class Proposal:
     token_ids: list[int]
     q: list[tuple[np.ndarray, np.ndarray]]
     fed_tokens: int = 0  # tokens run through the model (committed refeed + drafted)
+    # per drafted token: the draft's largest probability at temperature 1
+    # before truncation (1.0 for model-free hits)
+    confidence: list[float] = field(default_factory=list)
 
 
 class Drafter(Protocol):
+    """Proposes target-vocabulary ids. ``vocab_size``: committed and drafted
+    ids are < this (the target vocabulary the ids live in). ``inline``: the
+    drafter is cheap enough (no model, microseconds) to run on the event loop
+    instead of queueing behind model work on the worker thread."""
+
     name: str
-    vocab_size: int  # ids must be < this (the draft's logits dimension)
+    vocab_size: int
+    max_context_tokens: int
+    inline: bool
 
     def new_state(self) -> Any: ...
 
@@ -44,6 +54,7 @@ class Drafter(Protocol):
         num_tokens: int,
         cfg: SamplingConfig,
         rng: np.random.Generator,
+        min_confidence: float = 0.0,
     ) -> Proposal: ...
 
 
@@ -53,6 +64,12 @@ class DraftState:
 
     cache: KVCache
     tokens: list[int] = field(default_factory=list)
+
+
+def top_probability(logits: np.ndarray) -> float:
+    """Largest softmax probability of raw logits [V] at temperature 1."""
+    x = logits.astype(np.float64)
+    return float(1.0 / np.exp(x - x.max()).sum())
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -74,6 +91,8 @@ class OnnxDrafter:
     autoregressively. The last drafted token is not fed; the next call's
     common-prefix check keeps whatever the target accepted.
     """
+
+    inline = False
 
     def __init__(
         self,
@@ -102,10 +121,12 @@ class OnnxDrafter:
         num_tokens: int,
         cfg: SamplingConfig,
         rng: np.random.Generator,
+        min_confidence: float = 0.0,
     ) -> Proposal:
         """committed: the whole committed sequence (>= 1 token), ids < vocab_size.
-        Returns at most ``num_tokens`` tokens; fewer (possibly none) only when
-        the context limit is reached."""
+        Returns at most ``num_tokens`` tokens; fewer when the context limit is
+        reached or (after the first) a token's confidence is below
+        ``min_confidence`` (draft-side information only: exactness holds)."""
         if not committed:
             raise InvalidArgument("the committed context is empty")
         if num_tokens < 1:
@@ -124,11 +145,16 @@ class OnnxDrafter:
             fed = len(todo)
             ids: list[int] = []
             qs: list[tuple[np.ndarray, np.ndarray]] = []
+            conf: list[float] = []
             for i in range(gamma):
+                c = top_probability(logits)
+                if i > 0 and c < min_confidence:
+                    break
                 q_ids, q_probs = draft_distribution(logits, cfg, self.max_support)
                 x = sample_sparse(q_ids, q_probs, rng)
                 ids.append(x)
                 qs.append((q_ids, q_probs))
+                conf.append(c)
                 if i + 1 < gamma:
                     logits = self.model.forward(state.cache, [x])[-1]
                     state.tokens.append(x)
@@ -138,4 +164,4 @@ class OnnxDrafter:
             state.cache.crop(0)
             state.tokens.clear()
             raise
-        return Proposal(ids, qs, fed)
+        return Proposal(ids, qs, fed, conf)

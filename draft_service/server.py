@@ -1,21 +1,27 @@
 """gRPC servicer for ``specdec.v1.Draft``: thin validation and dispatch to the
-session store and drafters; all onnxruntime compute runs on the model worker
-thread, off the event loop."""
+session store and drafters. Several drafters are hosted at once (model
+drafters on onnxruntime, different-tokenizer TLI drafters, model-free prompt
+lookup) and chosen per session by name. All onnxruntime compute runs on the
+model worker thread, off the event loop; prompt lookup (microseconds) runs
+inline."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 
 from draft_service.config import DrafterSpec, DraftServiceConfig
-from draft_service.drafter import OnnxDrafter
-from draft_service.sessions import SessionStore
+from draft_service.drafter import Drafter, OnnxDrafter
+from draft_service.sessions import ProposeResult, SessionStore
 from specdec.errors import InvalidArgument, Unavailable
 from specdec.grpc_util import ModelWorker, ServerHandle, WorkTiming, start_server, translate_errors
 from specdec.logging_util import log
@@ -27,11 +33,31 @@ logger = logging.getLogger("specdec.draft")
 
 @dataclass
 class LoadedDrafter:
-    drafter: OnnxDrafter
+    """A hosted drafter and what GetModelInfo reports for it. ``vocab_size``
+    and ``tokenizer_fingerprint`` describe the vocabulary its ids are in (the
+    target's, for tli and prompt-lookup drafters)."""
+
+    drafter: Drafter
     model_name: str
     precision: str
     tokenizer_fingerprint: str
     eos_token_ids: list[int] = field(default_factory=list)
+    kind: str = "onnx"
+    device: str = "cpu"
+    max_context_tokens: int = 0
+    intersection: int = 0  # tli: draft tokens whose bytes are target tokens
+
+
+@dataclass(frozen=True)
+class TargetVocab:
+    """The target vocabulary tli and prompt-lookup drafters propose in."""
+
+    tokenizer: Any
+    fingerprint: str
+    vocab_size: int  # the target's logits size (config.json), else the tokenizer length
+    eos_token_ids: list[int]
+    max_context_tokens: int
+    hf_dir: Path | None
 
 
 def _timings(t: WorkTiming) -> common_pb2.Timings:
@@ -46,6 +72,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self.worker = worker
         self.sessions = sessions
         self._drafters: dict[str, LoadedDrafter] = {}
+        self.proposals: collections.Counter[str] = collections.Counter()  # Propose calls per drafter
 
     def attach(self, drafters: dict[str, LoadedDrafter]) -> None:
         self._drafters = drafters
@@ -63,14 +90,14 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     async def GetModelInfo(
         self, request: common_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ModelInfo:
-        d = self._get("")
+        d = self._get(request.drafter)
         return common_pb2.ModelInfo(
             model_name=d.model_name,
             vocab_size=d.drafter.vocab_size,
             eos_token_ids=d.eos_token_ids,
-            max_context_tokens=d.drafter.max_context_tokens,
+            max_context_tokens=d.max_context_tokens,
             dtype=d.precision,
-            device=d.drafter.model.device,
+            device=d.device,
             tokenizer_fingerprint=d.tokenizer_fingerprint,
         )
 
@@ -92,12 +119,21 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         session = self.sessions.get(request.session_id)  # NOT_FOUND early
         new_ids = list(request.new_token_ids)
         num_tokens = int(request.num_tokens)
-        # cheap checks on the loop; the store repeats them on the worker
+        min_conf = float(request.min_confidence)
+        if not 0.0 <= min_conf <= 1.0:  # also rejects NaN
+            raise InvalidArgument(f"min_confidence must be in [0, 1], got {min_conf}")
+        # cheap checks on the loop; the store repeats them where it runs
         self.sessions.validate_propose(new_ids, num_tokens, session.drafter.vocab_size)
-        result, timing = await self.worker.run(
-            self.sessions.propose, request.session_id, int(request.base_len), new_ids, num_tokens
-        )
+        args = (request.session_id, int(request.base_len), new_ids, num_tokens, min_conf)
+        if session.drafter.inline:
+            # a model-free drafter: microseconds, so no queueing behind model work
+            started = time.perf_counter()
+            result: ProposeResult = self.sessions.propose(*args)
+            timing = WorkTiming(0.0, (time.perf_counter() - started) * 1e3)
+        else:
+            result, timing = await self.worker.run(self.sessions.propose, *args)
         p = result.proposal
+        self.proposals[session.drafter.name] += 1
         return draft_pb2.ProposeResponse(
             token_ids=p.token_ids,
             probs=[
@@ -105,6 +141,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             ],
             committed_len=result.committed_len,
             timings=_timings(timing),
+            confidence=p.confidence,
+            drafter=session.drafter.name,
         )
 
     @translate_errors
@@ -122,6 +160,7 @@ class DraftServer:
     drafters: dict[str, LoadedDrafter]
     worker: ModelWorker
     reaper: asyncio.Task[None]
+    servicer: DraftServicer | None = None
 
     @property
     def port(self) -> int:
@@ -163,13 +202,45 @@ def _eos_ids(hf_dir: Path | None, tokenizer: object | None, fallback: list[int])
     return sorted(set(int(i) for i in ids))
 
 
-def load_drafter(spec: DrafterSpec, config: DraftServiceConfig) -> LoadedDrafter:
-    """Resolves, exports (cached) and loads one drafter (blocking; off the loop)."""
+def _local_hf_dir(spec: str) -> Path | None:
+    local = Path(spec).expanduser()
+    if local.is_dir() and ((local / "config.json").is_file() or (local / "tokenizer_config.json").is_file()):
+        return local.resolve()
+    return None
+
+
+def load_target_vocab(config: DraftServiceConfig) -> TargetVocab | None:
+    """Loads ``config.target_tokenizer`` (None when unset)."""
+    import json
+
     from transformers import AutoTokenizer
 
+    from specdec.tokenization import tokenizer_fingerprint
+
+    if not config.target_tokenizer:
+        return None
+    hf_dir = _local_hf_dir(config.target_tokenizer)
+    if hf_dir is None:
+        from specdec.models import resolve
+
+        hf_dir = Path(resolve(config.target_tokenizer, config.resolved_cache_dir()).hf_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    vocab_size = len(tokenizer)
+    context = 0
+    cfg = hf_dir / "config.json"
+    if cfg.is_file():
+        c = json.loads(cfg.read_text())
+        vocab_size = int(c.get("vocab_size") or vocab_size)
+        context = int(c.get("max_position_embeddings") or 0)
+    return TargetVocab(
+        tokenizer, tokenizer_fingerprint(tokenizer), vocab_size, _eos_ids(hf_dir, tokenizer, []), context, hf_dir
+    )
+
+
+def _load_onnx_model(spec: DrafterSpec, config: DraftServiceConfig) -> tuple[Any, Path | None, str]:
+    """(OnnxCausalLM, HF dir or None, model name) of a model drafter."""
     from draft_service.export import ensure_onnx
     from draft_service.onnx_model import OnnxCausalLM, resolve_execution
-    from specdec.tokenization import tokenizer_fingerprint
 
     cache_dir = config.resolved_cache_dir()
     execution = resolve_execution(config.execution)
@@ -178,7 +249,7 @@ def load_drafter(spec: DrafterSpec, config: DraftServiceConfig) -> LoadedDrafter
         onnx_dir = Path(spec.onnx_dir)
         model_name = spec.name
         local = Path(spec.model).expanduser()
-        if local.is_dir() and (local / "config.json").is_file():
+        if spec.model and local.is_dir() and (local / "config.json").is_file():
             hf_dir = local
     else:
         hf_dir, model_name = _hf_dir_for(spec, cache_dir)
@@ -190,25 +261,79 @@ def load_drafter(spec: DrafterSpec, config: DraftServiceConfig) -> LoadedDrafter
         allow_spinning=config.allow_spinning,
         max_cache_tokens=config.max_cache_tokens or None,
     )
-    tokenizer = None
-    fingerprint = ""
-    for d in (hf_dir, onnx_dir):
+    return model, hf_dir, model_name
+
+
+def _load_tokenizer(*dirs: Path | None) -> Any:
+    from transformers import AutoTokenizer
+
+    for d in dirs:
         if d is not None and (d / "tokenizer_config.json").is_file():
-            tokenizer = AutoTokenizer.from_pretrained(str(d))
-            fingerprint = tokenizer_fingerprint(tokenizer)
-            break
+            return AutoTokenizer.from_pretrained(str(d))
+    return None
+
+
+def load_drafter(spec: DrafterSpec, config: DraftServiceConfig, target: TargetVocab | None = None) -> LoadedDrafter:
+    """Resolves, exports (cached) and loads one drafter (blocking; off the loop)."""
+    from specdec.tokenization import tokenizer_fingerprint
+
+    if spec.kind == "prompt-lookup":
+        from draft_service.prompt_lookup import PromptLookupDrafter
+
+        if target is None:
+            log(logger, logging.WARNING, "prompt-lookup without target_tokenizer: ids unchecked, no fingerprint",
+                drafter=spec.name)
+        vocab = target.vocab_size if target is not None else (1 << 31) - 1
+        pl = PromptLookupDrafter(spec.name, vocab, min_ngram=spec.min_ngram, max_ngram=spec.max_ngram)
+        return LoadedDrafter(
+            pl, "prompt-lookup", "", target.fingerprint if target else "",
+            list(target.eos_token_ids) if target else [], kind=spec.kind, device="cpu",
+            max_context_tokens=target.max_context_tokens if target else 0,
+        )
+    model, hf_dir, model_name = _load_onnx_model(spec, config)
+    tokenizer = _load_tokenizer(hf_dir, model.model_dir)
+    if spec.kind == "tli":
+        from draft_service.tli import TliDrafter, hf_tokenize_fn
+        from draft_service.vocab_map import load_or_build_vocab_map
+
+        if target is None:
+            raise ValueError(f"drafter {spec.name!r} (tli) needs target_tokenizer")
+        if tokenizer is None:
+            raise ValueError(f"drafter {spec.name!r} (tli): no tokenizer next to the draft model")
+        vm = load_or_build_vocab_map(
+            tokenizer, target.tokenizer, model.vocab_size, target.vocab_size,
+            draft_fingerprint=tokenizer_fingerprint(tokenizer), target_fingerprint=target.fingerprint,
+            cache_dir=config.resolved_cache_dir(),
+        )
+        tli = TliDrafter(
+            spec.name, model, vm, hf_tokenize_fn(tokenizer), target_vocab_size=target.vocab_size,
+            max_support=config.max_support, lookbehind=spec.lookbehind_tokens,
+        )
+        log(logger, logging.INFO, "tli vocabulary intersection", drafter=spec.name, intersection=vm.size,
+            draft_vocab=model.vocab_size, target_vocab=target.vocab_size)
+        return LoadedDrafter(
+            tli, model_name, spec.precision, target.fingerprint, list(target.eos_token_ids), kind=spec.kind,
+            device=model.device, max_context_tokens=model.max_cache_tokens, intersection=vm.size,
+        )
+    fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else ""
     if not fingerprint:
         log(logger, logging.WARNING, "no tokenizer found; fingerprint left empty", drafter=spec.name)
     eos = _eos_ids(hf_dir, tokenizer, model.eos_token_ids)
     drafter = OnnxDrafter(spec.name, model, max_support=config.max_support, eos_token_ids=eos)
-    return LoadedDrafter(drafter, model_name, spec.precision, fingerprint, eos)
+    return LoadedDrafter(
+        drafter, model_name, spec.precision, fingerprint, eos, kind=spec.kind, device=model.device,
+        max_context_tokens=model.max_cache_tokens,
+    )
 
 
-def warmup(drafter: OnnxDrafter) -> None:
+def warmup(drafter: Drafter) -> None:
     """One short propose per sampling mode (graph optimisation, allocations)."""
     state = drafter.new_state()
     rng = np.random.default_rng(0)
     ids = [i % drafter.vocab_size for i in range(5)]
+    inter = getattr(drafter, "inter_target", None)
+    if inter is not None:  # tli: ids with text, so the draft context is not empty
+        ids = [int(x) for x in inter[-5:]]
     drafter.propose(state, ids[:4], 2, SamplingConfig(), rng)
     drafter.propose(state, ids, 2, SamplingConfig(temperature=1.0), rng)
 
@@ -236,8 +361,11 @@ async def start(config: DraftServiceConfig) -> DraftServer:
     log(logger, logging.INFO, "draft service listening (loading drafters)", port=handle.port)
     drafters: dict[str, LoadedDrafter] = {}
     try:
+        target = None
+        if any(d.kind in ("tli", "prompt-lookup") for d in config.drafters):
+            target, _ = await worker.run(load_target_vocab, config)
         for spec in config.drafters:
-            loaded, t = await worker.run(load_drafter, spec, config)
+            loaded, t = await worker.run(load_drafter, spec, config, target)
             if config.warmup:
                 await worker.run(warmup, loaded.drafter)
             log(
@@ -245,8 +373,11 @@ async def start(config: DraftServiceConfig) -> DraftServer:
                 logging.INFO,
                 "drafter ready",
                 drafter=spec.name,
+                kind=spec.kind,
                 model=loaded.model_name,
                 precision=spec.precision,
+                vocab_size=loaded.drafter.vocab_size,
+                intersection=loaded.intersection or None,
                 load_ms=round(t.compute_ms),
             )
             drafters[spec.name] = loaded
@@ -258,4 +389,4 @@ async def start(config: DraftServiceConfig) -> DraftServer:
     reaper = asyncio.create_task(_reap(sessions, config.session_ttl_s))
     await handle.set_serving(True)
     log(logger, logging.INFO, "draft service ready", port=handle.port, drafters=list(drafters))
-    return DraftServer(handle, sessions, drafters, worker, reaper)
+    return DraftServer(handle, sessions, drafters, worker, reaper, servicer)

@@ -122,9 +122,16 @@ class SessionStore:
             if t < 0 or t >= vocab_size:
                 raise InvalidArgument(f"token id {t} outside [0, {vocab_size})")
 
-    def propose(self, session_id: str, base_len: int, new_token_ids: Sequence[int], num_tokens: int) -> ProposeResult:
-        """Runs one Propose (on the model worker). committed =
-        session.committed[:base_len] + new_token_ids."""
+    def propose(
+        self,
+        session_id: str,
+        base_len: int,
+        new_token_ids: Sequence[int],
+        num_tokens: int,
+        min_confidence: float = 0.0,
+    ) -> ProposeResult:
+        """Runs one Propose (on the model worker, or inline for an ``inline``
+        drafter). committed = session.committed[:base_len] + new_token_ids."""
         session = self.get(session_id)
         drafter = session.drafter
         self.validate_propose(new_token_ids, num_tokens, drafter.vocab_size)
@@ -135,7 +142,7 @@ class SessionStore:
         committed = session.committed[:base_len] + [int(t) for t in new_token_ids]
         if not committed:
             raise InvalidArgument("the committed context is empty (base_len 0 and no new_token_ids)")
-        proposal = drafter.propose(session.state, committed, num_tokens, session.cfg, session.rng)
+        proposal = drafter.propose(session.state, committed, num_tokens, session.cfg, session.rng, min_confidence)
         session.committed = committed
         session.proposals += 1
         session.last_used = self._clock()

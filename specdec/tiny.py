@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -39,9 +40,14 @@ def _byte_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def build_tiny_tokenizer(chars: str) -> "PreTrainedTokenizerFast":  # type: ignore[name-defined] # noqa: F821
+def build_tiny_tokenizer(
+    chars: str, merges: Sequence[tuple[str, str]] = ()
+) -> "PreTrainedTokenizerFast":  # type: ignore[name-defined] # noqa: F821
     """Character-level fast tokenizer: id 0 = ``<|endoftext|>`` (eos, pad),
     id i+1 = ``chars[i]``; ``decode`` concatenates characters exactly.
+    ``merges``: BPE merges (a, b) in priority order; each adds the token a+b
+    (ids len(chars)+1 onwards), so two tokenizers over the same characters can
+    have partly overlapping vocabularies.
 
     It is a byte-level BPE with no merges (the Qwen2 tokenizer family's
     format), so ``AutoTokenizer`` — which always rebuilds a ``qwen2`` model's
@@ -59,7 +65,12 @@ def build_tiny_tokenizer(chars: str) -> "PreTrainedTokenizerFast":  # type: igno
     vocab = {EOS_TOKEN: 0}
     for i, c in enumerate(chars):
         vocab[b2u[ord(c)]] = i + 1
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=False))
+    enc = [("".join(b2u[ord(c)] for c in a), "".join(b2u[ord(c)] for c in b)) for a, b in merges]
+    for a, b in enc:
+        if a not in vocab or b not in vocab or a + b in vocab:
+            raise ValueError(f"merge {a!r}+{b!r}: both parts must be tokens and the result new")
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=enc, ignore_merges=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -89,21 +100,24 @@ def build_tiny_model(
     noise: float = 0.0,
     eos_token_id: int = 0,
     max_position_embeddings: int = 512,
+    merges: Sequence[tuple[str, str]] = (),
 ) -> Path:
     """Builds and saves a tiny Qwen2 causal LM (float32 safetensors, untied head).
 
-    vocab_size = len(chars) + 1. Weights are N(0, init_std) for matrices (a
+    vocab_size = len(chars) + 1 + len(merges). Weights are N(0, init_std) for matrices (a
     large std so next-token distributions are peaked, with clear top-1/top-2
     gaps, yet sampling stays non-trivial); norms are 1, biases small. With
     ``base_dir``, copies that model's weights (shapes must match) and adds
     Gaussian noise of std ``noise * std(matrix)`` to every matrix: a
-    correlated draft.
+    correlated draft. When the base has another vocabulary (other chars or
+    merges), the embedding and LM-head rows are matched by token string:
+    shared tokens copy the base's rows, the others get fresh random rows.
     Returns ``out_dir``.
     """
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out_dir)
-    vocab_size = len(chars) + 1
+    vocab_size = len(chars) + 1 + len(merges)
     head_dim = hidden_size // num_heads
     linear_outs = {hidden_size, num_kv_heads * head_dim, intermediate_size}
     if vocab_size in linear_outs:
@@ -133,13 +147,27 @@ def build_tiny_model(
     with torch.device("cpu"):
         model = Qwen2ForCausalLM(config).to(torch.float32).eval()
     base_state: dict[str, torch.Tensor] | None = None
+    row_map: list[tuple[int, int]] = []  # (new id, base id) for shared token strings
+    tokenizer = build_tiny_tokenizer(chars, merges)
     if base_dir is not None:
+        from transformers import AutoTokenizer
+
         base_state = Qwen2ForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).state_dict()
+        base_vocab = AutoTokenizer.from_pretrained(str(base_dir)).get_vocab()
+        row_map = [(i, base_vocab[t]) for t, i in tokenizer.get_vocab().items() if t in base_vocab]
+    vocab_rows = {"model.embed_tokens.weight", "lm_head.weight"}
     with torch.no_grad():
         state = model.state_dict()
         for name in sorted(state):
             t = state[name]
-            if base_state is not None:
+            if base_state is not None and name in vocab_rows and name in base_state and base_state[name].shape != t.shape:
+                std = init_std if name.startswith("model.") else init_std * LM_HEAD_GAIN / t.shape[-1] ** 0.5
+                new = torch.randn(t.shape, generator=gen) * std
+                for i, j in row_map:
+                    new[i] = base_state[name][j]
+                if noise > 0:
+                    new += torch.randn(t.shape, generator=gen) * (noise * float(new.std()))
+            elif base_state is not None:
                 if name not in base_state or base_state[name].shape != t.shape:
                     raise ValueError(f"base model mismatch at {name}")
                 new = base_state[name].clone()
@@ -163,7 +191,7 @@ def build_tiny_model(
         eos_token_id=eos_token_id, pad_token_id=eos_token_id, bos_token_id=eos_token_id, do_sample=False
     )
     model.save_pretrained(str(out), safe_serialization=True)
-    build_tiny_tokenizer(chars).save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
     # keep the vocabulary spec next to the weights for humans
-    (out / "tiny.json").write_text(json.dumps({"chars": chars, "seed": seed, "noise": noise}))
+    (out / "tiny.json").write_text(json.dumps({"chars": chars, "merges": list(merges), "seed": seed, "noise": noise}))
     return out

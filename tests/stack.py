@@ -187,7 +187,13 @@ def start_stack(
     target_overrides: dict[str, Any] | None = None,
     orchestrator_overrides: dict[str, Any] | None = None,
     draft_name: str = "tiny-draft",
+    drafters: list[DrafterSpec] | None = None,
+    default_drafter: str | None = None,
+    target_tokenizer: str | None = None,
 ) -> Stack:
+    """``drafters`` (optional) replaces the single ``draft_dir`` drafter: the
+    in-process draft service hosts all of them; ``target_tokenizer`` is what
+    tli / prompt-lookup drafters propose in (default: ``target_dir``)."""
     from draft_service.server import start as start_draft
     from orchestrator.server import start as start_orch
     from target_service.server import start as start_target
@@ -208,9 +214,10 @@ def start_stack(
         )
         draft_addr = f"127.0.0.1:{port}"
         wait_serving(draft_addr, proc=proc)
-    elif draft_dir is not None:
+    elif draft_dir is not None or drafters:
         dcfg = DraftServiceConfig(
-            drafters=[DrafterSpec(name=draft_name, model=str(draft_dir), precision=draft_precision)],
+            drafters=drafters or [DrafterSpec(name=draft_name, model=str(draft_dir), precision=draft_precision)],
+            default_drafter=default_drafter, target_tokenizer=target_tokenizer or str(target_dir),
             port=0, cache_dir=cache_dir,
         )
         draft = loop.run(start_draft(dcfg))

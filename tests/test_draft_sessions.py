@@ -27,7 +27,13 @@ class EchoDrafter:
         return []
 
     def propose(
-        self, state: list[int], committed: Sequence[int], num_tokens: int, cfg: SamplingConfig, rng: np.random.Generator
+        self,
+        state: list[int],
+        committed: Sequence[int],
+        num_tokens: int,
+        cfg: SamplingConfig,
+        rng: np.random.Generator,
+        min_confidence: float = 0.0,
     ) -> Proposal:
         self.calls.append(list(committed))
         x = committed[-1]

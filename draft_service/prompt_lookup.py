@@ -1,0 +1,133 @@
+"""Prompt-lookup (n-gram) drafting: no model.
+
+The last n committed tokens (n adaptive: ``max_ngram`` down to ``min_ngram``,
+longest first) are looked up among earlier positions of the committed
+sequence (prompt + generated text); at the most recent earlier occurrence,
+the tokens that followed it are proposed (up to γ). Each proposed token has a
+one-hot q (``ids=[x], probs=[1.0]``), which the target's verifier treats as
+design.md rule 3: accept with probability p(x), otherwise sample from p with
+x removed. Confidence of a hit is 1.0. No match: no tokens (the round is a
+plain target step).
+
+Cost: an incremental index ``n-gram -> end position of its most recent
+occurrence that has a continuation``; a call adds the new committed tokens
+(O(new tokens × n)) and does at most ``max_ngram - min_ngram + 1`` dict
+look-ups. A committed sequence that diverges from the indexed one (a rebuilt
+session) re-indexes from scratch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from draft_service.drafter import Proposal
+from specdec.errors import InvalidArgument
+from specdec.sampling import SamplingConfig
+
+_ONE = np.ones(1, dtype=np.float32)
+
+
+@dataclass
+class NgramIndex:
+    """``index[n - min_n][gram]`` = end e (exclusive) of the most recent
+    occurrence ``tokens[e-n:e] == gram`` with ``e < len(tokens)``, so the
+    continuation ``tokens[e]`` exists. The current suffix is never indexed
+    until a token follows it."""
+
+    min_n: int
+    max_n: int
+    tokens: list[int] = field(default_factory=list)
+    index: list[dict[tuple[int, ...], int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.index = [{} for _ in range(self.max_n - self.min_n + 1)]
+
+    def sync(self, committed: Sequence[int]) -> None:
+        """Makes the index describe ``committed`` (appends incrementally; a
+        divergent prefix re-indexes everything)."""
+        k = len(self.tokens)
+        if k > len(committed) or list(committed[:k]) != self.tokens:
+            self.tokens = []
+            self.index = [{} for _ in range(self.max_n - self.min_n + 1)]
+            k = 0
+        toks = self.tokens
+        for t in committed[k:]:
+            j = len(toks)  # position of the new token: every gram ending at j gains a continuation
+            for n in range(self.min_n, min(self.max_n, j) + 1):
+                self.index[n - self.min_n][tuple(toks[j - n : j])] = j
+            toks.append(int(t))
+
+    def lookup(self, max_tokens: int) -> tuple[int, list[int]]:
+        """(n, continuation) for the longest matching suffix; (0, []) if none."""
+        toks = self.tokens
+        size = len(toks)
+        for n in range(min(self.max_n, size), self.min_n - 1, -1):
+            e = self.index[n - self.min_n].get(tuple(toks[size - n :]))
+            if e is not None:
+                return n, toks[e : min(e + max_tokens, size)]
+        return 0, []
+
+
+@dataclass
+class PromptLookupState:
+    index: NgramIndex
+    hits: int = 0
+    misses: int = 0
+    last_ngram: int = 0
+
+
+class PromptLookupDrafter:
+    """Model-free drafter over the target vocabulary (``vocab_size`` ids)."""
+
+    inline = True  # microseconds per call: served on the event loop
+
+    def __init__(
+        self,
+        name: str,
+        vocab_size: int,
+        *,
+        min_ngram: int = 1,
+        max_ngram: int = 4,
+        max_context_tokens: int = 1 << 20,
+    ) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.name = name
+        self.vocab_size = vocab_size
+        self.min_ngram = min_ngram
+        self.max_ngram = max_ngram
+        self.max_context_tokens = max_context_tokens
+
+    def new_state(self) -> PromptLookupState:
+        return PromptLookupState(NgramIndex(self.min_ngram, self.max_ngram))
+
+    def propose(
+        self,
+        state: PromptLookupState,
+        committed: Sequence[int],
+        num_tokens: int,
+        cfg: SamplingConfig,
+        rng: np.random.Generator,
+        min_confidence: float = 0.0,
+    ) -> Proposal:
+        """Up to ``num_tokens`` ids continuing the most recent earlier
+        occurrence of the committed suffix; one-hot q each. ``cfg``, ``rng``
+        and ``min_confidence`` do not change a one-hot proposal."""
+        if not committed:
+            raise InvalidArgument("the committed context is empty")
+        if num_tokens < 1:
+            raise InvalidArgument("num_tokens must be >= 1")
+        state.index.sync(committed)
+        n, ids = state.index.lookup(num_tokens)
+        state.last_ngram = n
+        if not ids:
+            state.misses += 1
+            return Proposal([], [])
+        state.hits += 1
+        q = [(np.array([x], dtype=np.int32), _ONE.copy()) for x in ids]
+        return Proposal(list(ids), q, 0, [1.0] * len(ids))

@@ -1,0 +1,208 @@
+"""Issue-4 drafters end to end through real gRPC services on loopback:
+a different-tokenizer draft (token-level intersection) and model-free prompt
+lookup, hosted next to a same-tokenizer ONNX draft in one draft service and
+chosen per request.
+
+Tiny models: the target's tokenizer has characters plus the merges
+th, the, in, " t", er; the TLI draft's tokenizer has the same characters plus
+X, Y, Z and the merges th, an, er, ou, " a". So "the", "in" and " t" are
+target tokens outside the intersection, and the draft has tokens the target
+lacks. The TLI draft copies the target's weights for shared tokens (plus
+noise), so it agrees with the target often enough to exercise acceptance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from draft_service.config import DrafterSpec
+from specdec.sampling import SamplingConfig
+from specdec.tiny import build_tiny_model
+from specdec.tokenization import tokenizer_fingerprint
+from specdec.v1 import common_pb2, draft_pb2
+from tests.stack import Stack, start_stack
+from tests.test_e2e_tiny import exact_sequence_distribution
+from tests.test_sampling import assert_matches
+
+CHARS = "abcdefghijklmnopqrstuvwxyz .,:!?\n"
+TARGET_MERGES = [("t", "h"), ("th", "e"), ("i", "n"), (" ", "t"), ("e", "r")]
+DRAFT_MERGES = [("t", "h"), ("a", "n"), ("e", "r"), ("o", "u"), (" ", "a")]
+SMALL_CHARS = "abcde"
+DRAFTERS = ("tiny-draft", "tli", "prompt-lookup")
+
+
+@dataclass(frozen=True)
+class TliModels:
+    target: Path  # chars + TARGET_MERGES (vocab 39)
+    same: Path  # same tokenizer as target, target + noise: an ordinary ONNX draft
+    tli_draft: Path  # chars + XYZ + DRAFT_MERGES (vocab 42), rows of shared tokens from target + noise
+    small_target: Path  # abcde + ab (vocab 7)
+    small_tli_draft: Path  # abcde + ba, cd (vocab 8)
+
+
+@pytest.fixture(scope="module")
+def tli_models(tmp_path_factory: pytest.TempPathFactory) -> TliModels:
+    root = tmp_path_factory.mktemp("tli-models")
+    target = build_tiny_model(root / "target", chars=CHARS, merges=TARGET_MERGES, seed=21)
+    small = build_tiny_model(root / "small-target", chars=SMALL_CHARS, merges=[("a", "b")], seed=25)
+    return TliModels(
+        target=target,
+        same=build_tiny_model(root / "same", chars=CHARS, merges=TARGET_MERGES, seed=22, base_dir=target, noise=0.15),
+        tli_draft=build_tiny_model(
+            root / "tli-draft", chars=CHARS + "XYZ", merges=DRAFT_MERGES, seed=23, base_dir=target, noise=0.15
+        ),
+        small_target=small,
+        small_tli_draft=build_tiny_model(
+            root / "small-tli-draft", chars=SMALL_CHARS, merges=[("b", "a"), ("c", "d")], seed=26,
+            base_dir=small, noise=0.3,
+        ),
+    )
+
+
+@pytest.fixture(scope="module")
+def multi_stack(tli_models: TliModels, onnx_cache_dir: Path) -> Stack:  # type: ignore[misc]
+    drafters = [
+        DrafterSpec(name="tiny-draft", model=str(tli_models.same), precision="fp32"),
+        DrafterSpec(name="tli", model=str(tli_models.tli_draft), precision="fp32", kind="tli", lookbehind_tokens=4),
+        DrafterSpec(name="prompt-lookup", kind="prompt-lookup"),
+    ]
+    s = start_stack(tli_models.target, None, onnx_cache_dir, drafters=drafters)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def small_stack(tli_models: TliModels, onnx_cache_dir: Path) -> Stack:  # type: ignore[misc]
+    drafters = [
+        DrafterSpec(name="tli", model=str(tli_models.small_tli_draft), precision="fp32", kind="tli"),
+        DrafterSpec(name="prompt-lookup", kind="prompt-lookup"),
+    ]
+    s = start_stack(tli_models.small_target, None, onnx_cache_dir, drafters=drafters)
+    yield s
+    s.close()
+
+
+PROMPTS = [
+    "the thin winter, the other tower",
+    "in the end: in the end: in the end:",
+    "abc abc abc abc abc",
+]
+
+
+# ------------------------------------------------------------- model info
+def test_every_drafter_reports_the_target_vocabulary(multi_stack: Stack, tli_models: TliModels) -> None:
+    fp = tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(tli_models.target)))
+    stub = multi_stack.draft_stub()
+    for name in ("", *DRAFTERS):
+        info = stub.GetModelInfo(common_pb2.ModelInfoRequest(drafter=name))
+        assert (info.vocab_size, info.tokenizer_fingerprint) == (39, fp), name
+    assert multi_stack.draft.drafters["tli"].intersection == 1 + len(CHARS) + 2
+
+
+def test_unknown_drafter_is_invalid_argument(multi_stack: Stack) -> None:
+    stub = multi_stack.draft_stub()
+    for call in (
+        lambda: stub.GetModelInfo(common_pb2.ModelInfoRequest(drafter="smollm2")),
+        lambda: stub.CreateSession(draft_pb2.CreateDraftSessionRequest(drafter="Prompt-Lookup")),
+        lambda: multi_stack.generate(prompt="a", drafter="no-such-drafter"),
+    ):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert "unknown drafter" in e.value.details()
+    multi_stack.wait_no_sessions()
+
+
+# ---------------------------------------------------------- greedy equality
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_speculative_equals_off_for_every_drafter(multi_stack: Stack, drafter: str) -> None:
+    servicer = multi_stack.draft.servicer
+    before = servicer.proposals[drafter]
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        off = multi_stack.generate(prompt=prompt, mode="off", max_new_tokens=40)
+        for gamma in (1, 3, 6):
+            spec = multi_stack.generate(prompt=prompt, mode="fixed", gamma=gamma, max_new_tokens=40, drafter=drafter)
+            assert spec["token_ids"] == off["token_ids"], (drafter, prompt, gamma)
+            assert spec["text"] == off["text"]
+            drafted += spec["stats"].draft_tokens
+            accepted += spec["stats"].accepted_tokens
+    assert servicer.proposals[drafter] > before  # the request's drafter served it
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
+    multi_stack.wait_no_sessions()
+
+
+def test_tli_context_is_the_targets_text(multi_stack: Stack, tli_models: TliModels) -> None:
+    """Target tokens outside the intersection ("the", "in", " t") reach the
+    draft as their text, re-tokenized by the draft tokenizer, and proposals
+    are target ids with q over target ids."""
+    target_tok = AutoTokenizer.from_pretrained(str(tli_models.target))
+    draft_tok = AutoTokenizer.from_pretrained(str(tli_models.tli_draft))
+    loaded = multi_stack.draft.drafters["tli"]
+    drafter = loaded.drafter
+    text = "the thin winter in the tower"
+    committed = target_tok(text, add_special_tokens=False)["input_ids"]
+    outside = {target_tok.convert_tokens_to_ids(t) for t in ("the", "in", "Ġt")}
+    assert outside & set(committed)  # the prompt does use target-only tokens
+
+    def run() -> None:
+        state = drafter.new_state()
+        rng = np.random.default_rng(0)
+        for cut in range(1, len(committed) + 1):  # grow the committed sequence token by token
+            p = drafter.propose(state, committed[:cut], 3, SamplingConfig(temperature=1.0), rng)
+            want = target_tok.decode(committed[:cut])
+            assert draft_tok.decode(state.context.draft_ids) == want
+            assert state.context.draft_ids == draft_tok(want, add_special_tokens=False)["input_ids"]
+            assert state.tokens[: len(state.context.draft_ids) - 1] == state.context.draft_ids[:-1]
+            for x, (ids, probs) in zip(p.token_ids, p.q):
+                assert 0 <= x < 39 and x not in outside and x in ids.tolist()
+                assert np.all(ids < 39) and abs(float(probs.sum()) - 1) < 1e-5
+        assert unk not in state.context.draft_ids
+
+    unk = draft_tok.unk_token_id
+    multi_stack.loop.run(multi_stack.draft.worker.run(run))
+
+
+# --------------------------------------------------------- sampled exactness
+@pytest.mark.parametrize(
+    "drafter,cfg,prompt",
+    [
+        ("tli", SamplingConfig(temperature=1.0), [1, 2, 3]),
+        ("tli", SamplingConfig(temperature=0.8, top_k=3, top_p=0.9), [6, 3]),
+        ("prompt-lookup", SamplingConfig(temperature=1.0), [1, 2, 3, 1, 2]),
+    ],
+    ids=["tli-t1", "tli-t0.8-k3-p0.9", "prompt-lookup-t1"],
+)
+def test_sampled_sequences_match_exact_target_distribution(
+    small_stack: Stack, tli_models: TliModels, drafter: str, cfg: SamplingConfig, prompt: list[int]
+) -> None:
+    """3-token continuations sampled through the services with γ=2 follow the
+    exactly enumerated target distribution (7³ = 343 outcomes, 2,500 seeded
+    requests; cells with expected count < 5 pooled; chi-square, fails at
+    p < 1e-4, the bound of tests/test_sampling.py). Token 6 ("ab") is outside
+    the TLI intersection; prompt-lookup proposes one-hot spans from the
+    repeated prompt."""
+    length, n = 3, 2500
+    exact = exact_sequence_distribution(tli_models.small_target, prompt, length, cfg)
+    outcomes = sorted(exact)
+    index = {s: i for i, s in enumerate(outcomes)}
+    counts = np.zeros(len(outcomes))
+    stub = small_stack.orch_stub()
+    drafted = accepted = 0
+    for seed in range(n):
+        r = small_stack.generate(
+            stub, prompt_token_ids=prompt, max_new_tokens=length, temperature=cfg.temperature,
+            top_p=cfg.top_p, top_k=cfg.top_k, seed=seed, mode="fixed", gamma=2, drafter=drafter,
+        )
+        counts[index[tuple(r["token_ids"])]] += 1
+        drafted += r["stats"].draft_tokens
+        accepted += r["stats"].accepted_tokens
+    assert drafted > 0 and 0 < accepted < drafted  # acceptances and rejections both happen
+    assert_matches(counts, np.array([exact[s] for s in outcomes]))
+    small_stack.wait_no_sessions()
