@@ -40,6 +40,34 @@ def _add_draft_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
                    help="ONNX export precision of the draft")
     p.add_argument(f"--{prefix}execution", dest="draft_execution", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument(f"--{prefix}threads", dest="draft_threads", type=int, default=0, help="onnxruntime intra-op threads (0 = all)")
+    _add_drafter_choice_flags(p, prefix)
+
+
+# Built-in drafter names (requests choose one with speculation.drafter).
+MODEL_DRAFTER = "qwen2.5-coder-0.5b"  # the same-tokenizer model drafter (--draft-model)
+TLI_DRAFTER = "smollm2-135m"  # the different-tokenizer drafter (token-level intersection)
+PROMPT_LOOKUP_DRAFTER = "prompt-lookup"  # model-free n-gram drafter
+DEFAULT_DRAFTERS = f"{MODEL_DRAFTER},{TLI_DRAFTER},{PROMPT_LOOKUP_DRAFTER}"
+DEFAULT_TLI_MODEL = "smollm2-135m-instruct"
+
+
+def _add_drafter_choice_flags(p: argparse._ActionsContainer, prefix: str = "") -> None:
+    p.add_argument("--drafters", default=DEFAULT_DRAFTERS,
+                   help=f"comma-separated drafters the draft service hosts (built-ins: {DEFAULT_DRAFTERS})")
+    p.add_argument("--default-drafter", default=None,
+                   help=f"drafter for requests that name none (default: {MODEL_DRAFTER} when hosted, else the first)")
+    p.add_argument(f"--{prefix}tli-model", dest="tli_model", default=DEFAULT_TLI_MODEL,
+                   help=f"model of the {TLI_DRAFTER} (different-tokenizer) drafter")
+    p.add_argument(f"--{prefix}tli-precision", dest="tli_precision", default="int4",
+                   choices=["int4", "int8", "fp32", "fp16"], help=f"ONNX export precision of the {TLI_DRAFTER} drafter")
+
+
+def _drafter_names(a: argparse.Namespace) -> list[str]:
+    names = [n.strip() for n in str(a.drafters).split(",") if n.strip()]
+    unknown = [n for n in names if n not in (MODEL_DRAFTER, TLI_DRAFTER, PROMPT_LOOKUP_DRAFTER)]
+    if unknown or not names:
+        raise SystemExit(f"specdec: --drafters: unknown or empty {unknown or names}; built-ins: {DEFAULT_DRAFTERS}")
+    return names
 
 
 def target_config(a: argparse.Namespace, port: int) -> Any:
@@ -54,10 +82,24 @@ def target_config(a: argparse.Namespace, port: int) -> Any:
 def draft_config(a: argparse.Namespace, port: int) -> Any:
     from draft_service.config import DraftServiceConfig, DrafterSpec
 
-    spec = DrafterSpec(name=DEFAULT_DRAFT if a.draft_model == DEFAULT_DRAFT else Path(a.draft_model).name or a.draft_model,
-                       model=a.draft_model, precision=a.draft_precision)
+    # the model drafter keeps its built-in name on the default model, else the model's name
+    model_name = MODEL_DRAFTER if a.draft_model == DEFAULT_DRAFT else Path(a.draft_model).name or a.draft_model
+    specs = []
+    for n in _drafter_names(a):
+        if n == MODEL_DRAFTER:
+            specs.append(DrafterSpec(name=model_name, model=a.draft_model, precision=a.draft_precision))
+        elif n == TLI_DRAFTER:
+            specs.append(DrafterSpec(name=TLI_DRAFTER, model=a.tli_model, precision=a.tli_precision, kind="tli"))
+        else:
+            specs.append(DrafterSpec(name=PROMPT_LOOKUP_DRAFTER, kind="prompt-lookup"))
+    names = [d.name for d in specs]
+    default = a.default_drafter or MODEL_DRAFTER
+    default = model_name if default == MODEL_DRAFTER and model_name in names else default
+    if a.default_drafter is None and default not in names:
+        default = names[0]
     return DraftServiceConfig(
-        host=a.host, port=port, drafters=[spec], default_drafter=spec.name,
+        host=a.host, port=port, drafters=specs, default_drafter=default,
+        target_tokenizer=getattr(a, "target_tokenizer", None) or DEFAULT_TARGET,
         intra_op_threads=a.draft_threads, execution=a.draft_execution, cache_dir=a.cache_dir,
     )
 
@@ -147,7 +189,12 @@ def cmd_up(a: argparse.Namespace) -> int:
     if not a.no_draft:
         cmds["draft"] = base + ["draft", "--port", str(dport), "--model", a.draft_model,
                                 "--precision", a.draft_precision, "--execution", a.draft_execution,
-                                "--threads", str(a.draft_threads)] + common
+                                "--threads", str(a.draft_threads),
+                                "--drafters", ",".join(_drafter_names(a)), "--tli-model", a.tli_model,
+                                "--tli-precision", a.tli_precision, "--target-tokenizer", a.target_model]
+        if a.default_drafter:
+            cmds["draft"] += ["--default-drafter", a.default_drafter]
+        cmds["draft"] += common
     procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def _interrupt(signum: int, frame: Any) -> None:
@@ -162,14 +209,18 @@ def cmd_up(a: argparse.Namespace) -> int:
     from specdec.models import prepare
 
     print(f"specdec: preparing models in {cache} (first run assembles, converts and exports; later runs reuse the cache)", flush=True)
-    prepare([a.target_model] + ([] if a.no_draft else [a.draft_model]), Path(cache))
-    if not a.no_draft:
+    drafters = [] if a.no_draft else _drafter_names(a)
+    exports = ([(a.draft_model, a.draft_precision)] if MODEL_DRAFTER in drafters else []) + (
+        [(a.tli_model, a.tli_precision)] if TLI_DRAFTER in drafters else [])
+    prepare([a.target_model] + [m for m, _ in exports], Path(cache))
+    if exports:
         from draft_service.export import ensure_onnx
         from draft_service.onnx_model import resolve_execution
         from specdec.models import resolve
 
-        ensure_onnx(resolve(a.draft_model, Path(cache)).hf_dir, Path(cache), a.draft_precision,
-                    resolve_execution(a.draft_execution))
+        for model, precision in exports:
+            ensure_onnx(resolve(model, Path(cache)).hf_dir, Path(cache), precision,
+                        resolve_execution(a.draft_execution))
     try:
         for name, cmd in cmds.items():
             procs[name] = subprocess.Popen(cmd, start_new_session=True)
@@ -320,6 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-budget-tokens", dest="target_kv_budget", type=int, default=65_536, help="target KV budget")
     m.add_argument("--precision", dest="draft_precision", default="int4", choices=["int4", "int8", "fp32", "fp16"], help="draft ONNX precision")
     m.add_argument("--execution", dest="draft_execution", default="auto", choices=["auto", "cpu", "cuda"], help="draft execution provider")
+    _add_drafter_choice_flags(m)
+    m.add_argument("--target-tokenizer", default=None,
+                   help=f"draft: the target's tokenizer (model spec) that {TLI_DRAFTER} and {PROMPT_LOOKUP_DRAFTER} "
+                        f"propose in (default {DEFAULT_TARGET})")
     o = serve.add_argument_group("orchestrator")
     o.add_argument("--target-address", default=f"127.0.0.1:{DEFAULT_PORTS['target']}")
     o.add_argument("--draft-address", default=f"127.0.0.1:{DEFAULT_PORTS['draft']}", help="'' = no draft")

@@ -209,7 +209,8 @@ def start_stack(
         port = free_port()
         proc = subprocess.Popen(
             [sys.executable, "-m", "specdec.cli", "serve", "draft", "--model", str(draft_dir), "--port", str(port),
-             "--precision", draft_precision, "--cache-dir", str(cache_dir), "--log-level", "warning"],
+             "--precision", draft_precision, "--cache-dir", str(cache_dir), "--log-level", "warning",
+             "--drafters", "qwen2.5-coder-0.5b"],
             cwd=REPO, start_new_session=True,
         )
         draft_addr = f"127.0.0.1:{port}"
