@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import grpc
 import numpy as np
@@ -25,15 +25,32 @@ def make_channel(address: str, max_message_bytes: int) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
 
 
-class GrpcTargetClient:
-    def __init__(self, channel: grpc.aio.Channel) -> None:
-        self.stub = target_pb2_grpc.TargetStub(channel)
+class _GrpcClient:
+    """Calls one service and maps its RpcErrors onto domain errors."""
+
+    service = ""
+
+    def __init__(self, stub: Any) -> None:
+        self.stub = stub
+
+    async def _rpc(self, method: str, request: Any, timeout: float | None) -> Any:
+        try:
+            return await getattr(self.stub, method)(request, timeout=timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.service) from None
 
     async def info(self, timeout: float | None = None) -> common_pb2.ModelInfo:
-        try:
-            return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, "target") from None
+        return await self._rpc("GetModelInfo", common_pb2.ModelInfoRequest(), timeout)
+
+    async def release(self, session_id: str, timeout: float | None) -> None:
+        await self._rpc("Release", common_pb2.ReleaseRequest(session_id=session_id), timeout)
+
+
+class GrpcTargetClient(_GrpcClient):
+    service = "target"
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        super().__init__(target_pb2_grpc.TargetStub(channel))
 
     async def prefill(
         self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int, timeout: float | None
@@ -41,10 +58,7 @@ class GrpcTargetClient:
         req = target_pb2.PrefillRequest(
             token_ids=token_ids, sampling=sampling_proto(cfg), sample_next_token=sample_next, rng_offset=rng_offset
         )
-        try:
-            r = await self.stub.Prefill(req, timeout=timeout)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, "target") from None
+        r = await self._rpc("Prefill", req, timeout)
         return PrefillReply(
             r.session_id,
             r.next_token_id if r.has_next_token else None,
@@ -69,56 +83,49 @@ class GrpcTargetClient:
             draft_token_ids=draft_ids,
             draft_probs=[common_pb2.SparseDistribution(token_ids=ids.tolist(), probs=p.tolist()) for ids, p in q],
         )
-        try:
-            r = await self.stub.Verify(req, timeout=timeout)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, "target") from None
+        r = await self._rpc("Verify", req, timeout)
         return VerifyReply(
-            r.num_accepted, r.next_token_id, r.cache_len, list(r.logit_gaps), r.timings.compute_ms, r.timings.queue_ms
+            r.num_accepted,
+            r.next_token_id,
+            r.cache_len,
+            list(r.logit_gaps),
+            r.timings.compute_ms,
+            r.timings.queue_ms,
+            r.queue_depth,
         )
 
-    async def release(self, session_id: str, timeout: float | None) -> None:
-        try:
-            await self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, "target") from None
 
 
-class GrpcDraftClient:
+class GrpcDraftClient(_GrpcClient):
+    service = "draft"
+
     def __init__(self, channel: grpc.aio.Channel) -> None:
-        self.stub = draft_pb2_grpc.DraftStub(channel)
-
-    async def info(self, timeout: float | None = None) -> common_pb2.ModelInfo:
-        try:
-            return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, "draft") from None
+        super().__init__(draft_pb2_grpc.DraftStub(channel))
 
     async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None) -> str:
         req = draft_pb2.CreateDraftSessionRequest(sampling=sampling_proto(cfg), drafter=drafter)
-        try:
-            r = await self.stub.CreateSession(req, timeout=timeout)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, "draft") from None
+        r = await self._rpc("CreateSession", req, timeout)
         return r.session_id
 
     async def propose(
-        self, session_id: str, base_len: int, new_ids: Sequence[int], num_tokens: int, timeout: float | None
+        self,
+        session_id: str,
+        base_len: int,
+        new_ids: Sequence[int],
+        num_tokens: int,
+        min_confidence: float,
+        timeout: float | None,
     ) -> ProposeReply:
         req = draft_pb2.ProposeRequest(
-            session_id=session_id, base_len=base_len, new_token_ids=new_ids, num_tokens=num_tokens
+            session_id=session_id,
+            base_len=base_len,
+            new_token_ids=new_ids,
+            num_tokens=num_tokens,
+            min_confidence=min_confidence,
         )
-        try:
-            r = await self.stub.Propose(req, timeout=timeout)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, "draft") from None
+        r = await self._rpc("Propose", req, timeout)
         q = [
             (np.asarray(d.token_ids, dtype=np.int64), np.asarray(d.probs, dtype=np.float32)) for d in r.probs
         ]
-        return ProposeReply(list(r.token_ids), q, r.committed_len, r.timings.compute_ms)
+        return ProposeReply(list(r.token_ids), q, r.committed_len, r.timings.compute_ms, list(r.confidence))
 
-    async def release(self, session_id: str, timeout: float | None) -> None:
-        try:
-            await self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, "draft") from None

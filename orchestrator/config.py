@@ -27,3 +27,7 @@ class OrchestratorConfig:
     target_timeout_s: float = 120.0  # one Verify/Prefill call (bounded by the client deadline)
     release_timeout_s: float = 2.0
     max_message_bytes: int = 8 * 1024 * 1024
+    metrics_port: int = 0  # Prometheus /metrics HTTP port; 0 = off (`specdec up` uses 9464)
+    metrics_host: str = "127.0.0.1"
+    adaptive_gamma_max: int = 8  # largest γ the adaptive policy considers (AUTO)
+    min_confidence: float = 0.0  # default draft confidence early stop for AUTO (0 = off)

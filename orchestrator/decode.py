@@ -18,7 +18,7 @@ from typing import AsyncIterator, Protocol, Sequence
 
 import numpy as np
 
-from orchestrator.policy import DraftLengthPolicy
+from orchestrator.policy import DraftLengthPolicy, RoundObservation
 from specdec.errors import DeadlineExceeded, InvalidArgument, NotFound, SpecdecError, Unavailable
 from specdec.logging_util import log
 from specdec.sampling import SamplingConfig
@@ -46,6 +46,7 @@ class VerifyReply:
     logit_gaps: list[float]
     compute_ms: float
     queue_ms: float
+    queue_depth: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class ProposeReply:
     q: list[SparseQ]
     committed_len: int
     compute_ms: float
+    confidence: list[float] = field(default_factory=list)
 
 
 class TargetClient(Protocol):
@@ -78,7 +80,13 @@ class DraftClient(Protocol):
     async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None) -> str: ...
 
     async def propose(
-        self, session_id: str, base_len: int, new_ids: Sequence[int], num_tokens: int, timeout: float | None
+        self,
+        session_id: str,
+        base_len: int,
+        new_ids: Sequence[int],
+        num_tokens: int,
+        min_confidence: float,
+        timeout: float | None,
     ) -> ProposeReply: ...
 
     async def release(self, session_id: str, timeout: float | None) -> None: ...
@@ -92,6 +100,16 @@ class DraftFailure(Exception):
     """A draft call failed for a reason that should not fail the request."""
 
 
+class RoundSink(Protocol):
+    """Receives every verified round (the metrics path)."""
+
+    def on_round(self, obs: RoundObservation, drafter: str) -> None: ...
+
+    def on_fallback(self) -> None: ...
+
+    def on_rebuild(self) -> None: ...
+
+
 # --------------------------------------------------------------------- stats
 @dataclass
 class RequestStats:
@@ -102,6 +120,7 @@ class RequestStats:
     committed_in_rounds: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    rtt_ms: float = 0.0  # RPC wall time minus server compute, summed
     draft_failures: int = 0
     target_rebuilds: int = 0
     gamma_trajectory: list[int] = field(default_factory=list)
@@ -133,12 +152,15 @@ class DecodeParams:
     sampling: SamplingConfig
     policy: DraftLengthPolicy
     speculate: bool
-    drafter: str = ""
+    drafter: str = ""  # sent to the draft service ("" = its default)
+    drafter_label: str = ""  # the drafter's name for stats and metrics
     draft_timeout_s: float = 5.0
     draft_retry_after_rounds: int = 4
     target_timeout_s: float = 120.0
     release_timeout_s: float = 2.0
     deadline: float | None = None  # time.monotonic() by which the request must end
+    min_confidence: float = 0.0  # draft-side confidence early stop (0 = off)
+    sink: RoundSink | None = None
 
 
 class Decoder:
@@ -155,6 +177,7 @@ class Decoder:
         self.draft_sid: str | None = None
         self.draft_known = 0  # committed tokens the draft session knows
         self.draft_down_until_round = 0
+        self._draft_wall_ms = 0.0
 
     # --------------------------------------------------------------- helpers
     def _timeout(self, cap: float) -> float:
@@ -173,6 +196,8 @@ class Decoder:
         """Recreates a lost target session from the committed tokens: the last
         committed token stays pending (it is sent as the next round's delta)."""
         self.stats.target_rebuilds += 1
+        if self.p.sink is not None:
+            self.p.sink.on_rebuild()
         old = self.target_sid
         self.target_sid = None
         log(logger, logging.WARNING, "rebuilding target session", old_session=old, tokens=len(self.committed))
@@ -204,13 +229,16 @@ class Decoder:
                     await self._create_draft()
                     if self.draft_sid is None:
                         break
+                t0 = time.perf_counter()
                 reply = await self.draft.propose(
                     self.draft_sid,
                     self.draft_known,
                     self.committed[self.draft_known :],
                     gamma,
+                    self.p.min_confidence,
                     self._timeout(self.p.draft_timeout_s),
                 )
+                self._draft_wall_ms = (time.perf_counter() - t0) * 1e3
                 self.draft_known = reply.committed_len
                 return reply
             except NotFound:
@@ -227,6 +255,8 @@ class Decoder:
                 log(logger, logging.WARNING, "draft failed; round runs target-only", error=str(e))
             break
         self.stats.draft_failures += 1
+        if self.p.sink is not None:
+            self.p.sink.on_fallback()
         self.draft_down_until_round = self.stats.rounds + self.p.draft_retry_after_rounds
         return None
 
@@ -255,19 +285,38 @@ class Decoder:
             remaining = self.p.max_new_tokens - self.generated
             gamma = min(self.p.policy.next_gamma(), remaining - 1)
             proposal: ProposeReply | None = None
+            self._draft_wall_ms = 0.0
             if gamma > 0 and self.draft is not None and self.stats.rounds >= self.draft_down_until_round:
                 proposal = await self._propose(gamma)
                 if proposal is not None:
                     self.stats.draft_ms += proposal.compute_ms
+                    self.stats.rtt_ms += max(0.0, self._draft_wall_ms - proposal.compute_ms)
             draft_ids = proposal.token_ids if proposal else []
             q = proposal.q if (proposal and not self.p.sampling.greedy) else []
+            tokens_in_pass = len(self.committed) - self.target_cache_len + len(draft_ids)
+            t0 = time.perf_counter()
             verified = await self._verify(draft_ids, q)
+            verify_wall_ms = (time.perf_counter() - t0) * 1e3
+            self.stats.rtt_ms += max(0.0, verify_wall_ms - verified.compute_ms - verified.queue_ms)
             self.stats.rounds += 1
             self.stats.draft_tokens += len(draft_ids)
             self.stats.accepted_tokens += verified.num_accepted
             self.stats.gamma_trajectory.append(len(draft_ids))
             self.stats.accepted_per_round.append(verified.num_accepted)
-            self.p.policy.observe(len(draft_ids), verified.num_accepted)
+            obs = RoundObservation(
+                gamma=len(draft_ids),
+                accepted=verified.num_accepted,
+                draft_ms=self._draft_wall_ms if proposal else 0.0,
+                draft_compute_ms=proposal.compute_ms if proposal else 0.0,
+                verify_ms=verify_wall_ms,
+                verify_compute_ms=verified.compute_ms,
+                verify_queue_ms=verified.queue_ms,
+                tokens_in_pass=tokens_in_pass,
+                queue_depth=verified.queue_depth,
+            )
+            self.p.policy.observe(obs)
+            if self.p.sink is not None:
+                self.p.sink.on_round(obs, self.p.drafter_label)
             new = draft_ids[: verified.num_accepted] + [verified.next_token]
             self.stats.committed_in_rounds += len(new)
             self.committed.extend(new)

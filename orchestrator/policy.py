@@ -1,38 +1,375 @@
 """Draft-length policies: how many tokens to draft in the next round.
 
-A policy sees only what is known before the round's verification, so the
-choice of γ never affects exactness (design.md, rule 5).
+A policy sees only what is known before the round's verification (past
+acceptance, measured costs, the target's reported load), so the choice of γ
+never affects exactness (design.md, rule 5).
+
+- ``FixedPolicy``: always γ.
+- ``HeuristicPolicy``: Hugging Face assisted generation's schedule, +2 after a
+  fully accepted span, −1 otherwise (a baseline).
+- ``AdaptivePolicy``: per round, the γ ∈ {0 … γ_max} that maximises expected
+  committed tokens per second, E(γ) / T(γ), from live per-position acceptance
+  estimates and a live cost model; γ = 0 is plain target decoding, with
+  periodic probes so a request can return to speculation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+
+@dataclass(frozen=True)
+class RoundObservation:
+    """What one verified round tells a policy.
+
+    gamma: drafted tokens sent for verification (may be < the γ asked for).
+    accepted: drafted tokens accepted (a prefix).
+    draft_ms: draft-side wall time of the Propose call (0 when γ = 0).
+    draft_compute_ms: draft-side compute reported by the service.
+    verify_ms: wall time of the Verify call as the orchestrator saw it.
+    verify_compute_ms / verify_queue_ms: reported by the target.
+    tokens_in_pass: tokens the target ran in the verify pass (new + drafted).
+    queue_depth: jobs pending at the target when the call was admitted.
+    """
+
+    gamma: int
+    accepted: int
+    draft_ms: float = 0.0
+    draft_compute_ms: float = 0.0
+    verify_ms: float = 0.0
+    verify_compute_ms: float = 0.0
+    verify_queue_ms: float = 0.0
+    tokens_in_pass: int = 1
+    queue_depth: int = 0
 
 
 class DraftLengthPolicy(Protocol):
+    name: str
+
     def next_gamma(self) -> int:
         """γ for the next round; 0 means a plain target decoding step."""
 
-    def observe(self, gamma: int, accepted: int) -> None:
+    def observe(self, obs: RoundObservation) -> None:
         """Records the outcome of a verified round."""
 
 
 @dataclass
 class FixedPolicy:
     gamma: int
+    name: str = "fixed"
 
     def next_gamma(self) -> int:
         return self.gamma
 
-    def observe(self, gamma: int, accepted: int) -> None:
+    def observe(self, obs: RoundObservation) -> None:
         return None
 
 
 @dataclass
 class OffPolicy:
+    name: str = "off"
+
     def next_gamma(self) -> int:
         return 0
 
-    def observe(self, gamma: int, accepted: int) -> None:
+    def observe(self, obs: RoundObservation) -> None:
         return None
+
+
+@dataclass
+class HeuristicPolicy:
+    """transformers' ``num_assistant_tokens_schedule="heuristic"``."""
+
+    gamma: int = 4
+    gamma_max: int = 16
+    name: str = "heuristic"
+
+    def next_gamma(self) -> int:
+        return self.gamma
+
+    def observe(self, obs: RoundObservation) -> None:
+        if obs.gamma == 0:
+            return
+        if obs.accepted == obs.gamma:
+            self.gamma = min(self.gamma_max, self.gamma + 2)
+        else:
+            self.gamma = max(1, self.gamma - 1)
+
+
+# --------------------------------------------------------------------------
+# Adaptive policy
+# --------------------------------------------------------------------------
+
+
+def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
+    """E(γ) = 1 + Σ_{k=1..γ} Π_{i<=k} α_i: committed tokens per round when the
+    i-th drafted token is accepted with probability α_i given its
+    predecessors were (Leviathan et al.'s E(γ) when all α_i = α)."""
+    e, run = 1.0, 1.0
+    for k in range(gamma):
+        run *= alphas[k]
+        e += run
+    return e
+
+
+class AcceptancePrior:
+    """Process-wide, per-drafter acceptance statistics shared across requests:
+    exponentially decayed counts of (accepted, tried) per draft position. New
+    requests start from it; each request's own evidence then dominates."""
+
+    def __init__(self, max_positions: int = 16, decay: float = 0.999, default_alpha: float = 0.6) -> None:
+        self.max_positions = max_positions
+        self.decay = decay
+        self.default_alpha = default_alpha
+        self._acc = [0.0] * max_positions
+        self._tried = [0.0] * max_positions
+        self._lock = threading.Lock()
+
+    def update(self, gamma: int, accepted: int) -> None:
+        with self._lock:
+            for i in range(min(gamma, self.max_positions)):
+                if i > accepted:
+                    break
+                self._acc[i] = self._acc[i] * self.decay + (1.0 if i < accepted else 0.0)
+                self._tried[i] = self._tried[i] * self.decay + 1.0
+
+    def alphas(self, strength: float = 2.0) -> list[float]:
+        """Per-position α, smoothed towards ``default_alpha`` by ``strength`` pseudo-counts."""
+        with self._lock:
+            return [
+                (self._acc[i] + strength * self.default_alpha) / (self._tried[i] + strength)
+                for i in range(self.max_positions)
+            ]
+
+
+class CostModel:
+    """Live, process-wide estimates of what a round costs (ms):
+
+    - t_verify(k) = a + b·k, fitted by exponentially weighted least squares on
+      (tokens in the pass, Verify wall time incl. queueing and network), so it
+      follows the target's current load; the slope is shrunk towards
+      ``verify_slope_ms`` until the data has spread in k;
+    - t_draft(γ) = rtt + γ·t_token, where rtt is the Propose call's wall time
+      minus the draft's compute and t_token = Σ compute / Σ γ (exponentially
+      weighted ratio estimator; ``draft_token_ms`` before any data).
+    """
+
+    def __init__(self, halflife: float = 64.0, verify_slope_ms: float = 8.0, draft_token_ms: float = 20.0) -> None:
+        self._w = 0.5 ** (1.0 / halflife)
+        self.verify_slope_ms = verify_slope_ms
+        self.draft_token_ms = draft_token_ms
+        self._verify = _WeightedLine()
+        self._draft_compute = 0.0
+        self._draft_tokens = 0.0
+        self._draft_rtt = 0.0
+        self._draft_n = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, obs: RoundObservation) -> None:
+        with self._lock:
+            if obs.verify_ms > 0:
+                self._verify.add(obs.tokens_in_pass, obs.verify_ms, self._w)
+            if obs.gamma > 0 and obs.draft_ms > 0:
+                w = self._w
+                compute = obs.draft_compute_ms if obs.draft_compute_ms > 0 else obs.draft_ms
+                self._draft_compute = self._draft_compute * w + compute
+                self._draft_tokens = self._draft_tokens * w + obs.gamma
+                self._draft_rtt = self._draft_rtt * w + max(0.0, obs.draft_ms - compute)
+                self._draft_n = self._draft_n * w + 1.0
+
+    def verify_ms(self, k: int) -> float | None:
+        with self._lock:
+            return self._verify.predict(k, self.verify_slope_ms)
+
+    def draft_ms(self, gamma: int) -> float | None:
+        with self._lock:
+            if self._draft_n < 1e-9:
+                return None
+            per_token = self._draft_compute / self._draft_tokens
+            return self._draft_rtt / self._draft_n + per_token * gamma
+
+
+@dataclass
+class _WeightedLine:
+    """y ≈ a + b·x, exponentially weighted least squares (sufficient statistics)."""
+
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float, w: float) -> None:
+        self.n = self.n * w + 1.0
+        self.sx = self.sx * w + x
+        self.sy = self.sy * w + y
+        self.sxx = self.sxx * w + x * x
+        self.sxy = self.sxy * w + x * y
+
+    def predict(self, x: float, prior_slope: float, strength: float = 4.0) -> float | None:
+        """Prediction at x; the slope is shrunk towards ``prior_slope`` with
+        ``strength`` units of x-variance, so a policy that keeps one γ (no
+        spread in x) still has a sensible slope."""
+        if self.n < 1e-9:
+            return None
+        mean_x, mean_y = self.sx / self.n, self.sy / self.n
+        sxx_c = self.sxx - self.n * mean_x * mean_x
+        sxy_c = self.sxy - self.n * mean_x * mean_y
+        slope = max(0.0, (sxy_c + strength * prior_slope) / (max(sxx_c, 0.0) + strength))
+        return max(0.0, mean_y + slope * (x - mean_x))
+
+
+@dataclass
+class AdaptiveConfig:
+    gamma_max: int = 8
+    prior_strength: float = 4.0  # pseudo-observations of the shared prior per position
+    probe_every: int = 8  # rounds at γ = 0 before probing speculation again (doubles up to 64)
+    probe_gamma: int = 2
+    thompson: bool = True  # sample α from its posterior each round (exploration) instead of using the mean
+    explore_every: int = 12  # every n-th speculative round tries a neighbouring γ (keeps the cost slope learnt)
+    min_gain: float = 1.02  # speculate only when E/T beats plain decoding by this factor
+    # Priors for the cost model before any measurement (ms); the draft/target
+    # cost ratio on the reference CPU is about 0.1.
+    default_verify_ms: float = 200.0
+    default_verify_slope_ms: float = 8.0
+    default_draft_token_ms: float = 20.0
+
+
+class AdaptivePolicy:
+    """Chooses γ per round to maximise expected committed tokens per second.
+
+    For each γ: E(γ) from per-position α (this request's counts, smoothed by
+    the shared ``AcceptancePrior``) and T(γ) = t_draft(γ) + t_verify(γ + 1)
+    from the shared ``CostModel`` (live timings, so load on the target raises
+    t_verify and pushes γ down). γ = 0 means T = t_verify(1), E = 1.
+    """
+
+    name = "adaptive"
+
+    def __init__(
+        self, prior: AcceptancePrior, costs: CostModel, cfg: AdaptiveConfig | None = None, seed: int = 0
+    ) -> None:
+        self.cfg = cfg or AdaptiveConfig()
+        self._rng = random.Random(seed)
+        self.prior = prior
+        self.costs = costs
+        n = self.cfg.gamma_max
+        self._acc = [0.0] * n
+        self._tried = [0.0] * n
+        self._zero_rounds = 0
+        self._probe_every = self.cfg.probe_every
+        self._spec_rounds = 0
+        self.last_scores: dict[int, float] = {}
+
+    # -------------------------------------------------------------- estimates
+    def alphas(self, sample: bool = False) -> list[float]:
+        """Per-position acceptance: the Beta posterior of this request's counts
+        with the shared prior as ``prior_strength`` pseudo-observations. With
+        ``sample``, a Thompson draw instead of the mean, which explores exactly
+        as much as the estimates are uncertain (so a request stuck at γ = 0 on
+        noisy early evidence still finds its way back)."""
+        prior = self.prior.alphas()
+        s = self.cfg.prior_strength
+        out = []
+        for i in range(self.cfg.gamma_max):
+            p = prior[i] if i < len(prior) else prior[-1]
+            a = self._acc[i] + s * p
+            b = (self._tried[i] - self._acc[i]) + s * (1.0 - p)
+            out.append(self._rng.betavariate(max(a, 1e-3), max(b, 1e-3)) if sample else a / (a + b))
+        return out
+
+    def round_ms(self, gamma: int) -> float:
+        c = self.cfg
+        verify = self.costs.verify_ms(gamma + 1)
+        if verify is None:
+            verify = c.default_verify_ms + c.default_verify_slope_ms * gamma
+        if gamma == 0:
+            return verify
+        draft = self.costs.draft_ms(gamma)
+        if draft is None:
+            draft = c.default_draft_token_ms * gamma
+        return verify + draft
+
+    def scores(self, sample: bool = False) -> dict[int, float]:
+        """Expected committed tokens per ms for each γ."""
+        alphas = self.alphas(sample)
+        return {g: expected_tokens(alphas, g) / max(self.round_ms(g), 1e-6) for g in range(self.cfg.gamma_max + 1)}
+
+    # ---------------------------------------------------------------- policy
+    def next_gamma(self) -> int:
+        scores = self.scores(sample=self.cfg.thompson)
+        self.last_scores = scores
+        best = max(range(1, self.cfg.gamma_max + 1), key=lambda g: scores[g])
+        if scores[best] >= scores[0] * self.cfg.min_gain:
+            self._zero_rounds = 0
+            self._probe_every = self.cfg.probe_every
+            self._spec_rounds += 1
+            if self.cfg.explore_every and self._spec_rounds % self.cfg.explore_every == 0:
+                step = 1 if (self._spec_rounds // self.cfg.explore_every) % 2 else -1
+                return min(self.cfg.gamma_max, max(1, best + step))
+            return best
+        self._zero_rounds += 1
+        if self._zero_rounds >= self._probe_every:
+            # probe: a short span refreshes α; back off if it keeps losing
+            self._zero_rounds = 0
+            self._probe_every = min(64, self._probe_every * 2)
+            return min(self.cfg.probe_gamma, self.cfg.gamma_max)
+        return 0
+
+    def observe(self, obs: RoundObservation) -> None:
+        self.costs.observe(obs)
+        if obs.gamma <= 0:
+            return
+        self.prior.update(obs.gamma, obs.accepted)
+        for i in range(min(obs.gamma, self.cfg.gamma_max)):
+            if i > obs.accepted:
+                break
+            self._tried[i] += 1.0
+            if i < obs.accepted:
+                self._acc[i] += 1.0
+
+
+def optimal_gamma(alpha: float, c: float, gamma_max: int, verify_slope: float = 0.0) -> int:
+    """Analytic optimum of E(γ)/T(γ) for constant α, draft/target cost ratio c
+    and a verify cost that grows by ``verify_slope`` (fraction of a target step)
+    per extra token: argmax over γ of E(γ) / (1 + γ·(c + verify_slope)).
+    Returns 0 when no γ beats plain decoding."""
+    best, best_score = 0, 1.0
+    for g in range(1, gamma_max + 1):
+        e = (g + 1.0) if alpha >= 1.0 else (1 - alpha ** (g + 1)) / (1 - alpha)
+        score = e / (1.0 + g * (c + verify_slope))
+        if score > best_score + 1e-12:
+            best, best_score = g, score
+    return best
+
+
+@dataclass
+class PolicyFactory:
+    """Builds one policy per request; holds the process-wide shared state
+    (acceptance priors per drafter and the cost model)."""
+
+    default_gamma: int = 4
+    gamma_max: int = 8
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    priors: dict[str, AcceptancePrior] = field(default_factory=dict)
+    costs: dict[str, CostModel] = field(default_factory=dict)
+    _made: int = 0
+
+    def make(self, mode: str, gamma: int, drafter: str) -> DraftLengthPolicy:
+        if mode == "off":
+            return OffPolicy()
+        if mode == "fixed":
+            return FixedPolicy(gamma or self.default_gamma)
+        if mode == "heuristic":
+            return HeuristicPolicy(gamma=gamma or self.default_gamma, gamma_max=self.gamma_max)
+        cfg = AdaptiveConfig(**{**self.adaptive.__dict__, "gamma_max": gamma or self.adaptive.gamma_max})
+        prior = self.priors.setdefault(drafter, AcceptancePrior(max_positions=max(16, cfg.gamma_max)))
+        costs = self.costs.setdefault(
+            drafter, CostModel(verify_slope_ms=cfg.default_verify_slope_ms, draft_token_ms=cfg.default_draft_token_ms)
+        )
+        self._made += 1
+        return AdaptivePolicy(prior, costs, cfg, seed=self._made)
+

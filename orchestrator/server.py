@@ -16,18 +16,53 @@ from orchestrator.clients import GrpcDraftClient, GrpcTargetClient, make_channel
 from orchestrator.config import OrchestratorConfig
 from orchestrator.decode import DecodeParams, Decoder, RequestStats
 from orchestrator.detokenizer import IncrementalDetokenizer, StopMatcher
-from orchestrator.policy import DraftLengthPolicy, FixedPolicy, OffPolicy
+from orchestrator.policy import AdaptiveConfig, PolicyFactory, RoundObservation
 from specdec.errors import InvalidArgument, ResourceExhausted, SpecdecError, Unavailable
 from specdec.grpc_util import ServerHandle, start_server
 from specdec.logging_util import log
+from specdec.metrics import OrchestratorMetrics, serve_metrics
 from specdec.sampling import SamplingConfig
 from specdec.v1 import orchestrator_pb2 as pb
 from specdec.v1 import orchestrator_pb2_grpc
 
 logger = logging.getLogger("specdec.orchestrator")
 
-MODE_OFF = pb.SPECULATION_MODE_OFF
-MODE_FIXED = pb.SPECULATION_MODE_FIXED
+MODE_NAMES = {
+    pb.SPECULATION_MODE_UNSPECIFIED: "adaptive",
+    pb.SPECULATION_MODE_AUTO: "adaptive",
+    pb.SPECULATION_MODE_OFF: "off",
+    pb.SPECULATION_MODE_FIXED: "fixed",
+    pb.SPECULATION_MODE_HEURISTIC: "heuristic",
+}
+
+
+class MetricsSink:
+    """The per-round stats path into Prometheus (the same RoundObservation
+    also feeds the draft-length policy)."""
+
+    def __init__(self, m: OrchestratorMetrics) -> None:
+        self.m = m
+
+    def on_round(self, obs: RoundObservation, drafter: str) -> None:
+        m = self.m
+        m.rounds.inc()
+        m.verify_time.observe(obs.verify_compute_ms / 1e3)
+        m.round_trip_time.labels("target").observe(max(0.0, obs.verify_ms - obs.verify_compute_ms - obs.verify_queue_ms) / 1e3)
+        m.round_time.observe((obs.draft_ms + obs.verify_ms) / 1e3)
+        if obs.gamma > 0:
+            m.num_drafts.labels(drafter).inc()
+            m.num_draft_tokens.labels(drafter).inc(obs.gamma)
+            m.num_accepted_tokens.labels(drafter).inc(obs.accepted)
+            for i in range(obs.accepted):
+                m.accepted_per_pos.labels(drafter, str(i)).inc()
+            m.draft_time.observe(obs.draft_compute_ms / 1e3)
+            m.round_trip_time.labels("draft").observe(max(0.0, obs.draft_ms - obs.draft_compute_ms) / 1e3)
+
+    def on_fallback(self) -> None:
+        self.m.draft_failures.inc()
+
+    def on_rebuild(self) -> None:
+        self.m.target_rebuilds.inc()
 
 
 @dataclass
@@ -52,6 +87,15 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.draft = draft
         self.limits = limits
         self.active = 0
+        self.metrics = OrchestratorMetrics.create()
+        self.sink = MetricsSink(self.metrics)
+        self.policies = PolicyFactory(
+            default_gamma=config.default_num_draft_tokens,
+            gamma_max=config.max_num_draft_tokens,
+            adaptive=AdaptiveConfig(gamma_max=config.adaptive_gamma_max),
+        )
+        self.default_drafter = ""
+        self.metrics_port: int | None = None
 
     # ------------------------------------------------------------ validation
     def _prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
@@ -109,11 +153,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise InvalidArgument(
                 f"speculation.num_draft_tokens {spec.num_draft_tokens} exceeds the limit {self.cfg.max_num_draft_tokens}"
             )
-        if spec.mode not in (pb.SPECULATION_MODE_UNSPECIFIED, pb.SPECULATION_MODE_AUTO, MODE_OFF, MODE_FIXED):
+        if spec.mode not in MODE_NAMES:
             raise InvalidArgument(f"unknown speculation.mode {spec.mode}")
-        gamma = spec.num_draft_tokens or self.cfg.default_num_draft_tokens
-        speculate = spec.mode != MODE_OFF and self.draft is not None
-        policy: DraftLengthPolicy = FixedPolicy(gamma) if speculate else OffPolicy()
+        if not (0.0 <= spec.min_confidence < 1.0) or spec.min_confidence != spec.min_confidence:
+            raise InvalidArgument(f"speculation.min_confidence must be in [0, 1), got {spec.min_confidence}")
+        mode = MODE_NAMES[spec.mode]
+        speculate = mode != "off" and self.draft is not None
+        policy = self.policies.make(mode if speculate else "off", spec.num_draft_tokens, spec.drafter or self.default_drafter)
         return DecodeParams(
             prompt_ids=prompt_ids,
             max_new_tokens=max_new,
@@ -121,11 +167,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             policy=policy,
             speculate=speculate,
             drafter=spec.drafter,
+            drafter_label=spec.drafter or self.default_drafter,
             draft_timeout_s=self.cfg.draft_timeout_s,
             draft_retry_after_rounds=self.cfg.draft_retry_after_rounds,
             target_timeout_s=self.cfg.target_timeout_s,
             release_timeout_s=self.cfg.release_timeout_s,
             deadline=deadline,
+            min_confidence=spec.min_confidence or (self.cfg.min_confidence if mode == "adaptive" else 0.0),
+            sink=self.sink,
         )
 
     # -------------------------------------------------------------- Generate
@@ -138,6 +187,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 f"too many concurrent streams ({self.cfg.max_concurrent_streams})",
             )
         self.active += 1
+        self.metrics.active_streams.inc()
         decoder: Decoder | None = None
         try:
             remaining = context.time_remaining()
@@ -151,6 +201,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             await context.abort(e.code, e.message)
         finally:
             self.active -= 1
+            self.metrics.active_streams.dec()
             if decoder is not None:
                 await decoder.close()
 
@@ -183,12 +234,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 if done:
                     text += stops.push(detok.flush()) if not stops.stopped else ""
                     text += stops.flush()
-                    yield self._chunk(text, ids, gaps, req, finish, decoder.stats, emitted)
+                    yield self._chunk(text, ids, gaps, req, finish, decoder, emitted)
                     return
                 if text or ids:
                     yield self._chunk(text, ids, gaps, req, None, None, emitted)
             # the loop ended on max_new_tokens exactly at a round boundary
-            yield self._chunk(stops.flush(), [], [], req, finish, decoder.stats, emitted)
+            yield self._chunk(stops.flush(), [], [], req, finish, decoder, emitted)
         finally:
             await steps.aclose()
 
@@ -199,15 +250,24 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         gaps: list[float],
         req: pb.GenerateRequest,
         finish: int | None,
-        stats: RequestStats | None,
+        decoder: Decoder | None,
         emitted: int,
     ) -> pb.GenerateResponse:
         msg = pb.GenerateResponse(text=text, token_ids=ids)
+        stats = decoder.stats if decoder is not None else None
+        policy_name = decoder.p.policy.name if decoder is not None else ""
+        drafter = decoder.p.drafter_label if decoder is not None and decoder.draft else ""
         if req.return_logit_gaps:
             msg.logit_gaps.extend(gaps)
         if finish is not None and stats is not None:
             msg.finish_reason = finish  # type: ignore[assignment]
             msg.stats.CopyFrom(stats_proto(stats, emitted))
+            msg.stats.policy = policy_name
+            msg.stats.drafter = drafter
+            self.metrics.requests.labels(pb.FinishReason.Name(finish)).inc()
+            self.metrics.generated_tokens.inc(emitted)
+            if stats.first_token_at is not None:
+                self.metrics.ttft.observe(stats.first_token_at - stats.started)
         return msg
 
 
@@ -233,6 +293,7 @@ def stats_proto(s: RequestStats, generated: int) -> pb.GenerationStats:
         accepted_per_round=s.accepted_per_round,
         draft_failures=s.draft_failures,
         target_rebuilds=s.target_rebuilds,
+        round_trip_ms=s.rtt_ms,
     )
 
 
@@ -293,6 +354,7 @@ async def _attach_draft(
         log(logger, logging.WARNING, "draft vocabulary is larger than the target's; speculation disabled")
         return
     servicer.draft = draft
+    servicer.default_drafter = dinfo.model_name
     log(logger, logging.INFO, "draft service attached", draft=dinfo.model_name)
 
 
@@ -339,6 +401,7 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
         raise
     limits = ModelLimits(info.vocab_size, frozenset(info.eos_token_ids), info.max_context_tokens)
     servicer = OrchestratorServicer(config, tokenizer, target, None, limits)
+    servicer.metrics_port = serve_metrics(servicer.metrics.registry, config.metrics_port, config.metrics_host)
     holder["s"] = servicer
     tasks = []
     if draft is not None:

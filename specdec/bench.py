@@ -38,7 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, help="with --launch")
     p.add_argument("--prompts", type=Path, default=REPO_PROMPTS)
     p.add_argument("--only", action="append", help="prompt id(s) to run")
-    p.add_argument("--gammas", default="4", help="comma-separated fixed γ values")
+    p.add_argument("--gammas", default="4", help="comma-separated fixed γ values (SPECULATION_MODE_FIXED)")
+    p.add_argument("--policies", default="", help="comma-separated adaptive modes to run too: auto, heuristic")
+    p.add_argument("--drafters", default="", help="comma-separated drafter names (default: the service default)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per configuration (the fastest is kept)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     p.add_argument("--no-cost-curve", action="store_true")
@@ -68,14 +71,15 @@ def alpha_from_mean(mean_len: float, gamma: int) -> float:
     return (lo + hi) / 2
 
 
-def _generate(stub: Any, prompt: dict[str, Any], mode: str, gamma: int, max_new: int) -> dict[str, Any]:
+def _generate(stub: Any, prompt: dict[str, Any], mode: str, gamma: int, max_new: int, drafter: str = "") -> dict[str, Any]:
     from specdec.v1 import orchestrator_pb2 as pb
 
-    modes = {"off": pb.SPECULATION_MODE_OFF, "fixed": pb.SPECULATION_MODE_FIXED}
+    modes = {"off": pb.SPECULATION_MODE_OFF, "fixed": pb.SPECULATION_MODE_FIXED, "auto": pb.SPECULATION_MODE_AUTO,
+             "heuristic": pb.SPECULATION_MODE_HEURISTIC}
     req = pb.GenerateRequest(
         max_new_tokens=max_new,
         return_logit_gaps=True,
-        speculation=pb.SpeculationConfig(mode=modes[mode], num_draft_tokens=gamma),
+        speculation=pb.SpeculationConfig(mode=modes[mode], num_draft_tokens=gamma, drafter=drafter),
     )
     if prompt.get("chat"):
         req.messages.append(pb.ChatMessage(role="user", content=prompt["prompt"]))
@@ -113,6 +117,10 @@ def _generate(stub: Any, prompt: dict[str, Any], mode: str, gamma: int, max_new:
         "verify_ms": s.verify_ms,
         "overhead_ms": s.overhead_ms,
         "draft_failures": s.draft_failures,
+        "gamma_trajectory": list(s.gamma_trajectory),
+        "accepted_per_round": list(s.accepted_per_round),
+        "policy": s.policy,
+        "drafter": s.drafter,
     }
 
 
@@ -128,7 +136,8 @@ def cost_curve(target_address: str, ks: range = range(1, 9), reps: int = 5, ctx:
     with grpc.insecure_channel(target_address) as ch:
         stub = target_pb2_grpc.TargetStub(ch)
         info = stub.GetModelInfo(common_pb2.ModelInfoRequest())
-        ids = [(i * 7919) % min(info.vocab_size, 30000) + 100 for i in range(ctx)]
+        vocab = min(info.vocab_size, 30_000)  # ordinary (non-special) ids for real tokenizers
+        ids = [(i * 7919 + 100) % vocab for i in range(ctx)]
         pre = stub.Prefill(target_pb2.PrefillRequest(token_ids=ids, sample_next_token=True), timeout=600)
         sid, cache_len, nxt = pre.session_id, pre.cache_len, pre.next_token_id
         try:
@@ -139,7 +148,7 @@ def cost_curve(target_address: str, ks: range = range(1, 9), reps: int = 5, ctx:
                     r = stub.Verify(
                         target_pb2.VerifyRequest(
                             session_id=sid, cache_len=cache_len, new_token_ids=[nxt],
-                            draft_token_ids=[7] * (k - 1),
+                            draft_token_ids=[7 % vocab] * (k - 1),
                         ),
                         timeout=600,
                     )
@@ -165,6 +174,21 @@ def _divergence(ref: dict[str, Any], run: dict[str, Any]) -> dict[str, Any] | No
     return None
 
 
+def acceptance_per_position(gammas: list[int], accepted: list[int], n: int = 8) -> list[float | None]:
+    """P(drafted token i accepted | tokens before it accepted), from rounds."""
+    out: list[float | None] = []
+    for i in range(n):
+        tried = sum(1 for g, a in zip(gammas, accepted) if g > i and a >= i)
+        ok = sum(1 for g, a in zip(gammas, accepted) if g > i and a > i)
+        out.append(ok / tried if tried else None)
+    return out
+
+
+def _best_of(stub: Any, prompt: dict[str, Any], mode: str, gamma: int, max_new: int, drafter: str, repeats: int) -> dict[str, Any]:
+    runs = [_generate(stub, prompt, mode, gamma, max_new, drafter) for _ in range(max(1, repeats))]
+    return max(runs, key=lambda r: r["tokens_per_second"])
+
+
 def run_bench(a: argparse.Namespace, orch: str, target: str) -> dict[str, Any]:
     import grpc
 
@@ -173,46 +197,56 @@ def run_bench(a: argparse.Namespace, orch: str, target: str) -> dict[str, Any]:
     prompts = [json.loads(line) for line in a.prompts.read_text().splitlines() if line.strip()]
     if a.only:
         prompts = [p for p in prompts if p["id"] in a.only]
-    gammas = [int(g) for g in str(a.gammas).split(",") if g]
+    configs = [("fixed", int(g)) for g in str(a.gammas).split(",") if g]
+    configs += [(p.strip(), 0) for p in str(a.policies).split(",") if p.strip()]
+    drafters = [d.strip() for d in str(a.drafters).split(",") if d.strip()] or [""]
     rows: list[dict[str, Any]] = []
     with grpc.insecure_channel(orch) as ch:
         stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
-        _generate(stub, {"prompt": "hello", "chat": False}, "fixed", 2, 4)  # warm-up
+        for d in drafters:
+            _generate(stub, {"prompt": "hello", "chat": False}, "fixed", 2, 4, d)  # warm-up
         for prompt in prompts:
-            ref = _generate(stub, prompt, "off", 0, a.max_new_tokens)
+            ref = _best_of(stub, prompt, "off", 0, a.max_new_tokens, "", a.repeats)
             t_target = ref["verify_ms"] / max(1, ref["rounds"] + 1)  # prefill counted as one step
-            for g in gammas:
-                run = _generate(stub, prompt, "fixed", g, a.max_new_tokens)
-                t_draft_tok = run["draft_ms"] / max(1, run["draft_tokens"])
-                c = t_draft_tok / t_target if t_target > 0 else float("nan")
-                alpha = alpha_from_mean(run["mean_accepted_length"], g)
-                _, bound = leviathan(alpha, g, c)
-                rounds = max(1, run["rounds"])
-                row = {
-                    "prompt": prompt["id"], "category": prompt["category"], "gamma": g,
-                    "tokens": run["tokens"], "baseline_tokens": ref["tokens"],
-                    "baseline_tok_s": ref["tokens_per_second"], "spec_tok_s": run["tokens_per_second"],
-                    "speedup": run["tokens_per_second"] / ref["tokens_per_second"] if ref["tokens_per_second"] else 0.0,
-                    "acceptance_rate": run["acceptance_rate"], "alpha": alpha,
-                    "mean_accepted_length": run["mean_accepted_length"], "c": c,
-                    "leviathan_bound": bound,
-                    "t_target_step_ms": t_target, "t_draft_token_ms": t_draft_tok,
-                    "round_draft_ms": run["draft_ms"] / rounds, "round_verify_ms": run["verify_ms"] / rounds,
-                    "round_overhead_ms": run["overhead_ms"] / rounds,
-                    "identical": run["token_ids"] == ref["token_ids"],
-                    "divergence": _divergence(ref, run),
-                    "draft_failures": run["draft_failures"],
-                    "baseline_text": ref["text"], "spec_text": run["text"],
-                }
-                rows.append(row)
-                print(_md_row(row), flush=True)
+            for drafter in drafters:
+                for mode, g in configs:
+                    run = _best_of(stub, prompt, mode, g, a.max_new_tokens, drafter, a.repeats)
+                    t_draft_tok = run["draft_ms"] / max(1, run["draft_tokens"])
+                    c = t_draft_tok / t_target if t_target > 0 else float("nan")
+                    spec_rounds = [x for x in run["gamma_trajectory"] if x > 0]
+                    g_eff = g or max(1, round(statistics.fmean(spec_rounds))) if spec_rounds else max(g, 1)
+                    alpha = alpha_from_mean(run["mean_accepted_length"], g_eff)
+                    _, bound = leviathan(alpha, g_eff, c)
+                    rounds = max(1, run["rounds"])
+                    row = {
+                        "prompt": prompt["id"], "category": prompt["category"], "mode": mode, "gamma": g,
+                        "drafter": run["drafter"] or drafter,
+                        "tokens": run["tokens"], "baseline_tokens": ref["tokens"],
+                        "baseline_tok_s": ref["tokens_per_second"], "spec_tok_s": run["tokens_per_second"],
+                        "speedup": run["tokens_per_second"] / ref["tokens_per_second"] if ref["tokens_per_second"] else 0.0,
+                        "acceptance_rate": run["acceptance_rate"], "alpha": alpha,
+                        "mean_accepted_length": run["mean_accepted_length"], "c": c,
+                        "leviathan_bound": bound,
+                        "t_target_step_ms": t_target, "t_draft_token_ms": t_draft_tok,
+                        "round_draft_ms": run["draft_ms"] / rounds, "round_verify_ms": run["verify_ms"] / rounds,
+                        "round_overhead_ms": run["overhead_ms"] / rounds,
+                        "identical": run["token_ids"] == ref["token_ids"],
+                        "divergence": _divergence(ref, run),
+                        "draft_failures": run["draft_failures"],
+                        "gamma_trajectory": run["gamma_trajectory"],
+                        "accepted_per_round": run["accepted_per_round"],
+                        "acceptance_per_position": acceptance_per_position(run["gamma_trajectory"], run["accepted_per_round"]),
+                        "baseline_text": ref["text"], "spec_text": run["text"],
+                    }
+                    rows.append(row)
+                    print(_md_row(row), flush=True)
     curve = {} if a.no_cost_curve else cost_curve(target)
-    return {"rows": rows, "verify_cost_ms": curve, "max_new_tokens": a.max_new_tokens, "gammas": gammas}
+    return {"rows": rows, "verify_cost_ms": curve, "max_new_tokens": a.max_new_tokens, "configs": configs}
 
 
 HEADER = (
-    "| prompt | category | γ | speedup | baseline tok/s | spec tok/s | α (accept rate) | α (from E) | mean accepted | c | bound | "
-    "round split draft/verify/overhead ms | identical |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| prompt | category | drafter | mode | γ | speedup | baseline tok/s | spec tok/s | α (accept rate) | α (from E) | mean accepted | c | bound | "
+    "round split draft/verify/overhead ms | identical |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -222,7 +256,7 @@ def _md_row(r: dict[str, Any]) -> str:
         f"no: pos {div['position']}, gap {div['reference_top2_logit_gap']:.3f}" if div and div["reference_top2_logit_gap"] is not None else "no"
     )
     return (
-        f"| {r['prompt']} | {r['category']} | {r['gamma']} | {r['speedup']:.2f}× | {r['baseline_tok_s']:.2f} | "
+        f"| {r['prompt']} | {r['category']} | {r['drafter']} | {r['mode']} | {r['gamma'] or 'adaptive'} | {r['speedup']:.2f}× | {r['baseline_tok_s']:.2f} | "
         f"{r['spec_tok_s']:.2f} | {r['acceptance_rate']:.2f} | {r['alpha']:.2f} | {r['mean_accepted_length']:.2f} | "
         f"{r['c']:.3f} | {r['leviathan_bound']:.2f}× | {r['round_draft_ms']:.0f}/{r['round_verify_ms']:.0f}/"
         f"{r['round_overhead_ms']:.0f} | {ident} |"
@@ -232,17 +266,41 @@ def _md_row(r: dict[str, Any]) -> str:
 def to_markdown(res: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [f"Run: {meta}", "", HEADER] + [_md_row(r) for r in res["rows"]]
     if res["rows"]:
-        by_gamma: dict[int, list[float]] = {}
-        for r in res["rows"]:
-            by_gamma.setdefault(r["gamma"], []).append(r["speedup"])
-        lines += ["", "Geometric-mean speedup: " + ", ".join(
-            f"γ={g}: {math.exp(statistics.fmean(math.log(max(s, 1e-9)) for s in v)):.2f}×" for g, v in by_gamma.items())]
+        lines += ["", "Speedup over target-only by category (geometric mean over the category's prompts):", ""]
+        table = category_table(res["rows"])
+        cats = sorted({c for c, _ in table})
+        confs = sorted({k for _, k in table}, key=_conf_order)
+        lines += ["| category | " + " | ".join(_conf_label(k) for k in confs) + " |",
+                  "|---" * (len(confs) + 1) + "|"]
+        for c in cats:
+            lines.append(f"| {c} | " + " | ".join(
+                f"{table[(c, k)]:.2f}×" if (c, k) in table else "" for k in confs) + " |")
     if res["verify_cost_ms"]:
         ks = sorted(res["verify_cost_ms"])
         lines += ["", "Target verify cost through the service (median compute ms, KV cache 200 tokens):", "",
                   "| k | " + " | ".join(str(k) for k in ks) + " |", "|---" * (len(ks) + 1) + "|",
                   "| ms | " + " | ".join(f"{res['verify_cost_ms'][k]:.0f}" for k in ks) + " |"]
     return "\n".join(lines) + "\n"
+
+
+def _conf(r: dict[str, Any]) -> tuple[str, str, int]:
+    return (r["drafter"], r["mode"], r["gamma"])
+
+
+def _conf_order(k: tuple[str, str, int]) -> tuple[str, int, int]:
+    return (k[0], {"fixed": 0, "heuristic": 1, "auto": 2}.get(k[1], 3), k[2])
+
+
+def _conf_label(k: tuple[str, str, int]) -> str:
+    name = f"γ={k[2]}" if k[1] == "fixed" else k[1]
+    return f"{k[0]} {name}" if k[0] else name
+
+
+def category_table(rows: list[dict[str, Any]]) -> dict[tuple[str, tuple[str, str, int]], float]:
+    acc: dict[tuple[str, tuple[str, str, int]], list[float]] = {}
+    for r in rows:
+        acc.setdefault((r["category"], _conf(r)), []).append(r["speedup"])
+    return {k: math.exp(statistics.fmean(math.log(max(x, 1e-9)) for x in v)) for k, v in acc.items()}
 
 
 def plots(res: dict[str, Any], out: Path) -> list[Path]:
@@ -258,16 +316,59 @@ def plots(res: dict[str, Any], out: Path) -> list[Path]:
     rows = res["rows"]
     if rows:
         fig, ax = plt.subplots(figsize=(9, 4))
-        labels = [f"{r['prompt']}\nγ={r['gamma']}" for r in rows]
+        labels = [f"{r['prompt']}\n{_conf_label(_conf(r))}" for r in rows]
         x = range(len(rows))
         ax.bar([i - 0.2 for i in x], [r["speedup"] for r in rows], width=0.4, label="measured speedup")
         ax.bar([i + 0.2 for i in x], [r["leviathan_bound"] for r in rows], width=0.4, label="Leviathan bound (α, c)")
         ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks(list(x), labels, fontsize=7)
+        ax.set_xticks(list(x), labels, fontsize=7, rotation=45, ha="right")
         ax.set_ylabel("× target-only")
         ax.legend()
         fig.tight_layout()
         paths.append(out / "speedup.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    fixed = [r for r in rows if r["mode"] == "fixed"]
+    if rows and len({r["gamma"] for r in fixed}) > 1:
+        table = category_table(rows)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        series = sorted({(c, k[0]) for (c, k) in table})
+        for i, (cat, drafter) in enumerate(series):
+            color = f"C{i % 10}"
+            pts = sorted((k[2], v) for (c, k), v in table.items() if c == cat and k[0] == drafter and k[1] == "fixed")
+            ax.plot([g for g, _ in pts], [v for _, v in pts], marker="o", color=color,
+                    label=f"{cat} ({drafter})" if drafter else cat)
+            for (c, k), v in table.items():
+                if c == cat and k[0] == drafter and k[1] in ("auto", "heuristic"):
+                    ax.axhline(v, color=color, ls="--" if k[1] == "auto" else ":", lw=1)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xlabel("fixed γ (dashed: AUTO/adaptive, dotted: HF heuristic)")
+        ax.set_ylabel("speedup over target-only")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out / "speedup_vs_gamma.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    adaptive = [r for r in rows if r["mode"] == "auto"][:4]
+    if adaptive:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        for r in adaptive:
+            axes[0].plot(r["gamma_trajectory"], label=f"{r['prompt']}", drawstyle="steps-post")
+        axes[0].set_xlabel("round")
+        axes[0].set_ylabel("γ chosen (AUTO)")
+        axes[0].legend(fontsize=7)
+        for i, cat in enumerate(sorted({r["category"] for r in rows})):
+            sel = [r for r in rows if r["category"] == cat and r["mode"] == "fixed" and r["gamma"] == max(x["gamma"] for x in fixed)] if fixed else []
+            if sel:
+                pos = sel[0]["acceptance_per_position"]
+                axes[1].plot([j + 1 for j, v in enumerate(pos) if v is not None], [v for v in pos if v is not None],
+                             marker="o", color=f"C{i}", label=cat)
+        axes[1].set_xlabel("position in drafted span")
+        axes[1].set_ylabel("P(accept | previous accepted)")
+        axes[1].set_ylim(0, 1.05)
+        axes[1].legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out / "gamma_trajectory_and_acceptance.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     if res["verify_cost_ms"]:

@@ -23,6 +23,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     p.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $SPECDEC_CACHE_DIR or ~/.cache/specdec)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="bind address of the Prometheus /metrics endpoint")
 
 
 def _add_target_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
@@ -40,6 +41,8 @@ def _add_draft_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
                    help="ONNX export precision of the draft")
     p.add_argument(f"--{prefix}execution", dest="draft_execution", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument(f"--{prefix}threads", dest="draft_threads", type=int, default=0, help="onnxruntime intra-op threads (0 = all)")
+    p.add_argument(f"--{prefix}spin", dest="draft_spin", default="on", choices=["on", "off"],
+                   help="onnxruntime worker spin-waiting (on: lower draft latency; off: frees CPU for a co-located target)")
     _add_drafter_choice_flags(p, prefix)
 
 
@@ -76,6 +79,7 @@ def target_config(a: argparse.Namespace, port: int) -> Any:
     return TargetServiceConfig(
         model=a.target_model, host=a.host, port=port, dtype=a.target_dtype, device=a.target_device,
         threads=a.target_threads, cache_dir=a.cache_dir, kv_budget_tokens=a.target_kv_budget,
+        metrics_port=a.metrics_port, metrics_host=a.metrics_host,
     )
 
 
@@ -101,6 +105,7 @@ def draft_config(a: argparse.Namespace, port: int) -> Any:
         host=a.host, port=port, drafters=specs, default_drafter=default,
         target_tokenizer=getattr(a, "target_tokenizer", None) or DEFAULT_TARGET,
         intra_op_threads=a.draft_threads, execution=a.draft_execution, cache_dir=a.cache_dir,
+        allow_spinning=a.draft_spin == "on",
     )
 
 
@@ -110,7 +115,8 @@ def orchestrator_config(a: argparse.Namespace, port: int) -> Any:
     return OrchestratorConfig(
         target_address=a.target_address, draft_address=a.draft_address, tokenizer=a.target_model,
         host=a.host, port=port, cache_dir=a.cache_dir, default_num_draft_tokens=a.num_draft_tokens,
-        default_max_new_tokens=a.default_max_new_tokens,
+        default_max_new_tokens=a.default_max_new_tokens, metrics_port=a.metrics_port,
+        metrics_host=a.metrics_host, min_confidence=a.min_confidence,
     )
 
 
@@ -181,15 +187,17 @@ def cmd_up(a: argparse.Namespace) -> int:
     cmds = {
         "target": base + ["target", "--port", str(tport), "--model", a.target_model, "--dtype", a.target_dtype,
                           "--device", a.target_device, "--threads", str(a.target_threads),
-                          "--kv-budget-tokens", str(a.target_kv_budget)] + common,
+                          "--kv-budget-tokens", str(a.target_kv_budget),
+                          "--metrics-port", str(a.metrics_port + 2 if a.metrics_port else 0)] + common,
         "orchestrator": base + ["orchestrator", "--port", str(oport), "--target-address", f"127.0.0.1:{tport}",
                                 "--draft-address", "" if a.no_draft else f"127.0.0.1:{dport}",
-                                "--model", a.target_model, "--num-draft-tokens", str(a.num_draft_tokens)] + common,
+                                "--model", a.target_model, "--num-draft-tokens", str(a.num_draft_tokens),
+                                "--metrics-port", str(a.metrics_port)] + common,
     }
     if not a.no_draft:
         cmds["draft"] = base + ["draft", "--port", str(dport), "--model", a.draft_model,
                                 "--precision", a.draft_precision, "--execution", a.draft_execution,
-                                "--threads", str(a.draft_threads),
+                                "--threads", str(a.draft_threads), "--spin", a.draft_spin,
                                 "--drafters", ",".join(_drafter_names(a)), "--tli-model", a.tli_model,
                                 "--tli-precision", a.tli_precision, "--target-tokenizer", a.target_model]
         if a.default_drafter:
@@ -259,12 +267,14 @@ def build_request(a: argparse.Namespace) -> Any:
     from specdec.v1 import common_pb2
     from specdec.v1 import orchestrator_pb2 as pb
 
-    modes = {"auto": pb.SPECULATION_MODE_AUTO, "off": pb.SPECULATION_MODE_OFF, "fixed": pb.SPECULATION_MODE_FIXED}
+    modes = {"auto": pb.SPECULATION_MODE_AUTO, "off": pb.SPECULATION_MODE_OFF, "fixed": pb.SPECULATION_MODE_FIXED,
+             "heuristic": pb.SPECULATION_MODE_HEURISTIC}
     req = pb.GenerateRequest(
         max_new_tokens=a.max_new_tokens,
         stop=a.stop or [],
         ignore_eos=a.ignore_eos,
-        speculation=pb.SpeculationConfig(mode=modes[a.mode], num_draft_tokens=a.num_draft_tokens, drafter=a.drafter),
+        speculation=pb.SpeculationConfig(mode=modes[a.mode], num_draft_tokens=a.num_draft_tokens, drafter=a.drafter,
+                                         min_confidence=a.min_confidence),
         sampling=common_pb2.SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k),
     )
     if a.seed is not None:
@@ -354,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_flags(up, "target-")
     _add_draft_flags(up, "draft-")
     up.add_argument("--num-draft-tokens", type=int, default=4, help="default γ")
+    up.add_argument("--metrics-port", type=int, default=9464,
+                    help="orchestrator /metrics port; draft and target use the next two (0 = off)")
     up.add_argument("--no-draft", action="store_true", help="run without a draft service (target-only)")
     up.add_argument("--ready-timeout", type=float, default=1800.0)
     up.add_argument("--ready-file", default=None, help="write service addresses as JSON here once all are SERVING")
@@ -363,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("service", choices=["target", "draft", "orchestrator"])
     _add_common(serve)
     serve.add_argument("--port", type=int, default=None, help="default: orchestrator 50051, draft 50052, target 50053")
+    serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
     m = serve.add_argument_group("model (target and draft)")
     m.add_argument("--model", default=None, help=f"model spec (target default {DEFAULT_TARGET}, draft default {DEFAULT_DRAFT})")
     m.add_argument("--threads", type=int, default=0, help="CPU threads for the model (0 = all)")
@@ -371,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-budget-tokens", dest="target_kv_budget", type=int, default=65_536, help="target KV budget")
     m.add_argument("--precision", dest="draft_precision", default="int4", choices=["int4", "int8", "fp32", "fp16"], help="draft ONNX precision")
     m.add_argument("--execution", dest="draft_execution", default="auto", choices=["auto", "cpu", "cuda"], help="draft execution provider")
+    m.add_argument("--spin", dest="draft_spin", default="on", choices=["on", "off"], help="draft onnxruntime spin-waiting")
     _add_drafter_choice_flags(m)
     m.add_argument("--target-tokenizer", default=None,
                    help=f"draft: the target's tokenizer (model spec) that {TLI_DRAFTER} and {PROMPT_LOOKUP_DRAFTER} "
@@ -380,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--draft-address", default=f"127.0.0.1:{DEFAULT_PORTS['draft']}", help="'' = no draft")
     o.add_argument("--num-draft-tokens", type=int, default=4)
     o.add_argument("--default-max-new-tokens", type=int, default=256)
+    o.add_argument("--min-confidence", type=float, default=0.0,
+                   help="default draft confidence early stop for AUTO (0 = off)")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="stream a generation from the orchestrator, then print its stats")
@@ -392,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--mode", choices=["auto", "off", "fixed"], default="auto", help="speculation mode")
+    gen.add_argument("--mode", choices=["auto", "off", "fixed", "heuristic"], default="auto", help="speculation mode")
+    gen.add_argument("--min-confidence", type=float, default=0.0, help="draft confidence early stop (0 = server default)")
     gen.add_argument("--num-draft-tokens", type=int, default=0, help="γ (0 = server default)")
     gen.add_argument("--drafter", default="", help="drafter name (default: the draft service's default)")
     gen.add_argument("--ignore-eos", action="store_true")

@@ -127,6 +127,7 @@ def translate_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Await
 class WorkTiming:
     queue_ms: float
     compute_ms: float
+    queue_depth: int = 0  # jobs already pending when this one was submitted
 
 
 class ModelWorker:
@@ -151,6 +152,7 @@ class ModelWorker:
         with self._lock:
             if self._pending >= self._max_queue:
                 raise ResourceExhausted(f"model queue is full ({self._max_queue} pending requests)")
+            depth = self._pending
             self._pending += 1
         submitted = time.perf_counter()
 
@@ -165,7 +167,7 @@ class ModelWorker:
         finally:
             with self._lock:
                 self._pending -= 1
-        return result, WorkTiming((started - submitted) * 1e3, (ended - started) * 1e3)
+        return result, WorkTiming((started - submitted) * 1e3, (ended - started) * 1e3, depth)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

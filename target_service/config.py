@@ -25,3 +25,5 @@ class TargetServiceConfig:
     max_queue: int = 256  # pending model jobs before RESOURCE_EXHAUSTED
     max_message_bytes: int = 8 * 1024 * 1024
     warmup: bool = True
+    metrics_port: int = 0  # Prometheus /metrics HTTP port; 0 = off
+    metrics_host: str = "127.0.0.1"

@@ -8,6 +8,7 @@ import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 from specdec.errors import InvalidArgument, Unavailable
 from specdec.grpc_util import ModelWorker, ServerHandle, start_server, translate_errors
 from specdec.logging_util import log
+from specdec.metrics import ModelServiceMetrics, serve_metrics
 from specdec.sampling import SamplingConfig
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.config import TargetServiceConfig
@@ -39,8 +41,10 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 
     def __init__(self, worker: ModelWorker) -> None:
         self.worker = worker
+        self.metrics = ModelServiceMetrics.create("target")
         self._engine: TargetEngine | None = None
         self.fingerprint = ""
+        self._evictions_seen = 0
 
     def attach(self, engine: TargetEngine, tokenizer_fingerprint: str) -> None:
         self._engine = engine
@@ -75,11 +79,18 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         ids = list(request.token_ids)
         if not ids:
             raise InvalidArgument("token_ids must not be empty")
-        out, t = await self.worker.run(
-            self.engine.prefill, ids, cfg, request.sample_next_token, int(request.rng_offset)
+        job = asyncio.ensure_future(
+            self.worker.run(self.engine.prefill, ids, cfg, request.sample_next_token, int(request.rng_offset))
         )
-        if context.cancelled():  # the caller is gone: do not leak the session
-            self.engine.release(out.session_id)
+        try:
+            out, t = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            # The caller is gone while the prefill runs: release the session it
+            # creates as soon as it exists, so nothing leaks.
+            job.add_done_callback(self._release_orphan)
+            raise
+        self.metrics.observe("prefill", len(ids), t.queue_ms, t.compute_ms)
+        self._gauges()
         return target_pb2.PrefillResponse(
             session_id=out.session_id,
             has_next_token=out.next_token is not None,
@@ -107,6 +118,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             draft_ids,
             q,
         )
+        self.metrics.observe("verify", len(request.new_token_ids) + len(draft_ids), t.queue_ms, t.compute_ms)
+        self._gauges()
         return target_pb2.VerifyResponse(
             num_accepted=out.result.num_accepted,
             next_token_id=out.result.next_token,
@@ -115,6 +128,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             logit_gaps=out.logit_gaps,
             timings=_timings(t),
             batch_size=1,
+            queue_depth=t.queue_depth,
+            active_sessions=self.engine.num_sessions,
         )
 
     @translate_errors
@@ -124,7 +139,23 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         if not request.session_id:
             raise InvalidArgument("session_id is required")
         released, _ = await self.worker.run(self.engine.release, request.session_id)
+        self._gauges()
         return common_pb2.ReleaseResponse(released=released)
+
+    def _release_orphan(self, job: "asyncio.Future[Any]") -> None:
+        if job.cancelled() or job.exception() is not None:
+            return
+        out, _ = job.result()
+        asyncio.ensure_future(self.worker.run(self.engine.release, out.session_id))
+
+    def _gauges(self) -> None:
+        e = self.engine
+        self.metrics.active_sessions.set(e.num_sessions)
+        self.metrics.queue_depth.set(self.worker.pending)
+        delta = e.evictions - self._evictions_seen
+        if delta > 0:
+            self.metrics.evictions.inc(delta)
+            self._evictions_seen = e.evictions
 
 
 @dataclass
@@ -133,6 +164,7 @@ class TargetServer:
     engine: TargetEngine
     worker: ModelWorker
     reaper: asyncio.Task[None]
+    metrics_port: int | None = None
 
     @property
     def port(self) -> int:
@@ -204,7 +236,8 @@ async def start(config: TargetServiceConfig) -> TargetServer:
         worker.shutdown()
         raise
     servicer.attach(engine, fingerprint)
+    metrics_port = serve_metrics(servicer.metrics.registry, config.metrics_port, config.metrics_host)
     reaper = asyncio.create_task(_reap(engine, worker, config.session_ttl_s))
     await handle.set_serving(True)
     log(logger, logging.INFO, "target service ready", port=handle.port, model=engine.model_name)
-    return TargetServer(handle, engine, worker, reaper)
+    return TargetServer(handle, engine, worker, reaper, metrics_port)

@@ -157,7 +157,8 @@ def make_request(
     stop: list[str] | None = None,
     ignore_eos: bool = True,
 ) -> pb.GenerateRequest:
-    modes = {"auto": pb.SPECULATION_MODE_AUTO, "off": pb.SPECULATION_MODE_OFF, "fixed": pb.SPECULATION_MODE_FIXED}
+    modes = {"auto": pb.SPECULATION_MODE_AUTO, "off": pb.SPECULATION_MODE_OFF, "fixed": pb.SPECULATION_MODE_FIXED,
+             "heuristic": pb.SPECULATION_MODE_HEURISTIC}
     req = pb.GenerateRequest(
         prompt=prompt,
         prompt_token_ids=prompt_token_ids or [],

@@ -16,12 +16,14 @@ from transformers import AutoModelForCausalLM
 
 from specdec.sampling import SamplingConfig, process_logits
 from specdec.v1 import common_pb2, orchestrator_pb2 as pb, target_pb2
-from tests.stack import Stack, kill, make_request, start_stack
+from tests.stack import Stack, free_port, kill, make_request, start_stack
 from tests.test_sampling import assert_matches
 
 @pytest.fixture(scope="module")
 def stack(tiny_models, onnx_cache_dir: Path) -> Stack:  # type: ignore[no-untyped-def]
-    s = start_stack(tiny_models.target, tiny_models.draft, onnx_cache_dir)
+    s = start_stack(tiny_models.target, tiny_models.draft, onnx_cache_dir,
+                    orchestrator_overrides={"metrics_port": free_port()},
+                    target_overrides={"metrics_port": free_port()})
     yield s
     s.close()
 
@@ -53,6 +55,61 @@ def test_greedy_speculative_equals_off(stack: Stack, far_stack: Stack, gamma: in
     assert st_stats.accepted_tokens > 0  # the correlated draft is often right
     stack.wait_no_sessions()
     far_stack.wait_no_sessions()
+
+
+@pytest.mark.parametrize("mode", ["auto", "heuristic"])
+def test_adaptive_policies_leave_greedy_output_unchanged(stack: Stack, far_stack: Stack, mode: str) -> None:
+    for st in (stack, far_stack):
+        for prompt in PROMPTS:
+            off = st.generate(prompt=prompt, mode="off", max_new_tokens=48)
+            r = st.generate(prompt=prompt, mode=mode, gamma=0, max_new_tokens=48)
+            assert r["token_ids"] == off["token_ids"], (mode, prompt)
+            assert r["stats"].policy == ("adaptive" if mode == "auto" else "heuristic")
+    trajectory = list(stack.generate(prompt=PROMPTS[1], mode=mode, max_new_tokens=48)["stats"].gamma_trajectory)
+    assert len(set(trajectory)) > 1  # the policy actually varied γ
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    return out
+
+
+def test_metrics_count_a_known_generation(stack: Stack) -> None:
+    port = stack.orchestrator.servicer.metrics_port
+    assert port
+    before = _scrape(port)
+    r = stack.generate(prompt="metrics", mode="fixed", gamma=3, max_new_tokens=20)
+    after = _scrape(port)
+    s = r["stats"]
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    drafter = s.drafter
+    assert drafter
+    assert delta("specdec_spec_decode_num_draft_tokens_total", drafter=drafter) == s.draft_tokens
+    assert delta("specdec_spec_decode_num_accepted_tokens_total", drafter=drafter) == s.accepted_tokens
+    assert delta("specdec_spec_decode_num_drafts_total", drafter=drafter) == sum(1 for g in s.gamma_trajectory if g)
+    per_pos = sum(delta("specdec_spec_decode_num_accepted_tokens_per_pos_total", drafter=drafter, position=str(i))
+                  for i in range(3))
+    assert per_pos == s.accepted_tokens
+    assert delta("specdec_rounds_total") == s.rounds
+    assert delta("specdec_generated_tokens_total") == 20
+    assert delta("specdec_requests_total", finish_reason="FINISH_REASON_LENGTH") == 1
+    assert delta("specdec_round_seconds_count") == s.rounds
+    assert after[("specdec_active_streams", ())] == 0
+    target_metrics = _scrape(stack.target.metrics_port)  # the target's own registry
+    assert target_metrics[("specdec_target_active_sessions", ())] == 0
+    assert target_metrics[("specdec_target_calls_total", (("method", "verify"),))] >= s.rounds
 
 
 def test_partial_acceptance_keeps_both_caches_right(far_stack: Stack) -> None:

@@ -14,6 +14,7 @@ class SpeculationMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPECULATION_MODE_AUTO: _ClassVar[SpeculationMode]
     SPECULATION_MODE_OFF: _ClassVar[SpeculationMode]
     SPECULATION_MODE_FIXED: _ClassVar[SpeculationMode]
+    SPECULATION_MODE_HEURISTIC: _ClassVar[SpeculationMode]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -25,6 +26,7 @@ SPECULATION_MODE_UNSPECIFIED: SpeculationMode
 SPECULATION_MODE_AUTO: SpeculationMode
 SPECULATION_MODE_OFF: SpeculationMode
 SPECULATION_MODE_FIXED: SpeculationMode
+SPECULATION_MODE_HEURISTIC: SpeculationMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
@@ -39,14 +41,16 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SpeculationConfig(_message.Message):
-    __slots__ = ("mode", "num_draft_tokens", "drafter")
+    __slots__ = ("mode", "num_draft_tokens", "drafter", "min_confidence")
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     mode: SpeculationMode
     num_draft_tokens: int
     drafter: str
-    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., num_draft_tokens: _Optional[int] = ..., drafter: _Optional[str] = ...) -> None: ...
+    min_confidence: float
+    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., num_draft_tokens: _Optional[int] = ..., drafter: _Optional[str] = ..., min_confidence: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "messages", "max_new_tokens", "sampling", "stop", "speculation", "ignore_eos", "return_logit_gaps")
@@ -71,7 +75,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationConfig, _Mapping]] = ..., ignore_eos: _Optional[bool] = ..., return_logit_gaps: _Optional[bool] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("draft_tokens", "accepted_tokens", "rounds", "mean_accepted_length", "time_to_first_token_ms", "tokens_per_second", "acceptance_rate", "prompt_tokens", "generated_tokens", "total_ms", "draft_ms", "verify_ms", "overhead_ms", "gamma_trajectory", "accepted_per_round", "draft_failures", "target_rebuilds", "drafter")
+    __slots__ = ("draft_tokens", "accepted_tokens", "rounds", "mean_accepted_length", "time_to_first_token_ms", "tokens_per_second", "acceptance_rate", "prompt_tokens", "generated_tokens", "total_ms", "draft_ms", "verify_ms", "overhead_ms", "gamma_trajectory", "accepted_per_round", "draft_failures", "target_rebuilds", "drafter", "policy", "round_trip_ms")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +94,8 @@ class GenerationStats(_message.Message):
     DRAFT_FAILURES_FIELD_NUMBER: _ClassVar[int]
     TARGET_REBUILDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TRIP_MS_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: int
     accepted_tokens: int
     rounds: int
@@ -108,7 +114,9 @@ class GenerationStats(_message.Message):
     draft_failures: int
     target_rebuilds: int
     drafter: str
-    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., total_ms: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., gamma_trajectory: _Optional[_Iterable[int]] = ..., accepted_per_round: _Optional[_Iterable[int]] = ..., draft_failures: _Optional[int] = ..., target_rebuilds: _Optional[int] = ..., drafter: _Optional[str] = ...) -> None: ...
+    policy: str
+    round_trip_ms: float
+    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., total_ms: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., gamma_trajectory: _Optional[_Iterable[int]] = ..., accepted_per_round: _Optional[_Iterable[int]] = ..., draft_failures: _Optional[int] = ..., target_rebuilds: _Optional[int] = ..., drafter: _Optional[str] = ..., policy: _Optional[str] = ..., round_trip_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "logit_gaps")

@@ -50,7 +50,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "next_is_bonus", "cache_len", "logit_gaps", "timings", "batch_size")
+    __slots__ = ("num_accepted", "next_token_id", "next_is_bonus", "cache_len", "logit_gaps", "timings", "batch_size", "queue_depth", "active_sessions")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_IS_BONUS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,8 @@ class VerifyResponse(_message.Message):
     LOGIT_GAPS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     next_is_bonus: bool
@@ -65,4 +67,6 @@ class VerifyResponse(_message.Message):
     logit_gaps: _containers.RepeatedScalarFieldContainer[float]
     timings: _common_pb2.Timings
     batch_size: int
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_is_bonus: _Optional[bool] = ..., cache_len: _Optional[int] = ..., logit_gaps: _Optional[_Iterable[float]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    queue_depth: int
+    active_sessions: int
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_is_bonus: _Optional[bool] = ..., cache_len: _Optional[int] = ..., logit_gaps: _Optional[_Iterable[float]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., batch_size: _Optional[int] = ..., queue_depth: _Optional[int] = ..., active_sessions: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,112 @@
+"""Prometheus metrics: one registry per service, served on ``/metrics``.
+
+Counters follow vLLM's spec-decode metrics (drafts, draft tokens, accepted
+tokens, accepted tokens per position); histograms cover round, draft, verify
+and round-trip time; gauges cover active sessions/streams. PromQL:
+
+    acceptance rate:       rate(specdec_spec_decode_num_accepted_tokens_total[5m])
+                           / rate(specdec_spec_decode_num_draft_tokens_total[5m])
+    mean accepted length:  1 + rate(specdec_spec_decode_num_accepted_tokens_total[5m])
+                           / rate(specdec_spec_decode_num_drafts_total[5m])
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from specdec.logging_util import log
+
+logger = logging.getLogger("specdec.metrics")
+
+# seconds: 1 ms … 30 s
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> int | None:
+    """Starts the /metrics HTTP endpoint; port 0 = disabled. Returns the port."""
+    if port <= 0:
+        return None
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    bound = int(server.server_address[1])
+    log(logger, logging.INFO, "metrics endpoint", url=f"http://{host}:{bound}/metrics")
+    return bound
+
+
+@dataclass
+class OrchestratorMetrics:
+    registry: CollectorRegistry
+    num_drafts: Counter
+    num_draft_tokens: Counter
+    num_accepted_tokens: Counter
+    accepted_per_pos: Counter
+    rounds: Counter
+    generated_tokens: Counter
+    requests: Counter
+    draft_failures: Counter
+    target_rebuilds: Counter
+    round_time: Histogram
+    draft_time: Histogram
+    verify_time: Histogram
+    round_trip_time: Histogram
+    ttft: Histogram
+    active_streams: Gauge
+
+    @classmethod
+    def create(cls) -> "OrchestratorMetrics":
+        r = CollectorRegistry()
+        return cls(
+            registry=r,
+            num_drafts=Counter("specdec_spec_decode_num_drafts", "Rounds that verified a drafted span (γ > 0).", ["drafter"], registry=r),
+            num_draft_tokens=Counter("specdec_spec_decode_num_draft_tokens", "Drafted tokens sent for verification.", ["drafter"], registry=r),
+            num_accepted_tokens=Counter("specdec_spec_decode_num_accepted_tokens", "Drafted tokens accepted by the target.", ["drafter"], registry=r),
+            accepted_per_pos=Counter("specdec_spec_decode_num_accepted_tokens_per_pos", "Accepted drafted tokens by position in the span (0-based).", ["drafter", "position"], registry=r),
+            rounds=Counter("specdec_rounds", "Verify rounds (including γ = 0 plain decoding steps).", registry=r),
+            generated_tokens=Counter("specdec_generated_tokens", "Tokens streamed to clients.", registry=r),
+            requests=Counter("specdec_requests", "Finished Generate requests.", ["finish_reason"], registry=r),
+            draft_failures=Counter("specdec_draft_failures", "Rounds that fell back to target-only because the draft failed.", registry=r),
+            target_rebuilds=Counter("specdec_target_session_rebuilds", "Target sessions rebuilt from the orchestrator's tokens.", registry=r),
+            round_time=Histogram("specdec_round_seconds", "Wall time of one draft + verify round.", buckets=_BUCKETS, registry=r),
+            draft_time=Histogram("specdec_draft_seconds", "Draft-service compute per Propose.", buckets=_BUCKETS, registry=r),
+            verify_time=Histogram("specdec_verify_seconds", "Target-service compute per Verify.", buckets=_BUCKETS, registry=r),
+            round_trip_time=Histogram("specdec_round_trip_seconds", "RPC wall time minus server compute (network, queueing, serialization), per call.", ["service"], buckets=_BUCKETS, registry=r),
+            ttft=Histogram("specdec_time_to_first_token_seconds", "Time to first token.", buckets=_BUCKETS, registry=r),
+            active_streams=Gauge("specdec_active_streams", "Generate streams in progress.", registry=r),
+        )
+
+
+@dataclass
+class ModelServiceMetrics:
+    """Shared by the target and draft services (prefix ``specdec_target_`` / ``specdec_draft_``)."""
+
+    registry: CollectorRegistry
+    calls: Counter
+    tokens: Counter
+    compute_time: Histogram
+    queue_time: Histogram
+    active_sessions: Gauge
+    queue_depth: Gauge
+    evictions: Counter
+
+    @classmethod
+    def create(cls, service: str) -> "ModelServiceMetrics":
+        r = CollectorRegistry()
+        p = f"specdec_{service}"
+        return cls(
+            registry=r,
+            calls=Counter(f"{p}_calls", "Model calls served.", ["method"], registry=r),
+            tokens=Counter(f"{p}_tokens", "Tokens processed by forward passes.", ["method"], registry=r),
+            compute_time=Histogram(f"{p}_compute_seconds", "Model compute per call.", ["method"], buckets=_BUCKETS, registry=r),
+            queue_time=Histogram(f"{p}_queue_seconds", "Time a call waited for the model worker.", ["method"], buckets=_BUCKETS, registry=r),
+            active_sessions=Gauge(f"{p}_active_sessions", "Sessions holding state.", registry=r),
+            queue_depth=Gauge(f"{p}_queue_depth", "Model jobs waiting or running.", registry=r),
+            evictions=Counter(f"{p}_session_evictions", "Sessions evicted (budget, TTL).", registry=r),
+        )
+
+    def observe(self, method: str, tokens: int, queue_ms: float, compute_ms: float) -> None:
+        self.calls.labels(method).inc()
+        self.tokens.labels(method).inc(tokens)
+        self.compute_time.labels(method).observe(compute_ms / 1e3)
+        self.queue_time.labels(method).observe(queue_ms / 1e3)
