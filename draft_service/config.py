@@ -9,7 +9,7 @@ from pathlib import Path
 from specdec.grpc_util import DEFAULT_MAX_MESSAGE_BYTES
 
 
-DRAFTER_KINDS = ("onnx", "tli", "prompt-lookup")
+DRAFTER_KINDS = ("onnx", "tli", "prompt-lookup", "auto")
 
 
 @dataclass
@@ -18,8 +18,9 @@ class DrafterSpec:
 
     kind: ``onnx`` (a draft model sharing the target's tokenizer), ``tli`` (a
     draft model with another tokenizer, token-level intersection; needs
-    ``DraftServiceConfig.target_tokenizer``) or ``prompt-lookup`` (no model;
-    ``model`` is ignored).
+    ``DraftServiceConfig.target_tokenizer``), ``prompt-lookup`` (no model;
+    ``model`` is ignored) or ``auto`` (prompt lookup while it matches well,
+    else the hosted model drafter named by ``fallback``).
     """
 
     name: str  # the name clients select with CreateDraftSessionRequest.drafter
@@ -30,6 +31,7 @@ class DrafterSpec:
     lookbehind_tokens: int = 8  # tli: draft tokens re-tokenized behind the end each round
     min_ngram: int = 1  # prompt-lookup: shortest suffix matched
     max_ngram: int = 4  # prompt-lookup: longest suffix matched (tried first)
+    fallback: str = ""  # auto: name of the hosted onnx/tli drafter used when prompt lookup is not matching
 
 
 @dataclass
@@ -70,11 +72,15 @@ class DraftServiceConfig:
         for d in self.drafters:
             if d.kind not in DRAFTER_KINDS:
                 raise ValueError(f"drafter {d.name!r}: kind must be one of {DRAFTER_KINDS}, got {d.kind!r}")
+            if d.kind == "auto":
+                fb = next((x for x in self.drafters if x.name == d.fallback), None)
+                if fb is None or fb.kind not in ("onnx", "tli"):
+                    raise ValueError(f"drafter {d.name!r} (auto): fallback must name a hosted onnx or tli drafter")
             if d.kind in ("onnx", "tli") and not d.model and d.onnx_dir is None:
                 raise ValueError(f"drafter {d.name!r} ({d.kind}) needs a model")
             if d.kind == "tli" and not self.target_tokenizer:
                 raise ValueError(f"drafter {d.name!r} (tli) needs target_tokenizer")
-            if d.kind == "prompt-lookup" and not 1 <= d.min_ngram <= d.max_ngram:
+            if d.kind in ("prompt-lookup", "auto") and not 1 <= d.min_ngram <= d.max_ngram:
                 raise ValueError(f"drafter {d.name!r}: need 1 <= min_ngram <= max_ngram")
             if d.lookbehind_tokens < 0:
                 raise ValueError(f"drafter {d.name!r}: lookbehind_tokens must be >= 0")

@@ -19,7 +19,7 @@ session) re-indexes from scratch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -131,3 +131,81 @@ class PromptLookupDrafter:
         state.hits += 1
         q = [(np.array([x], dtype=np.int32), _ONE.copy()) for x in ids]
         return Proposal(list(ids), q, 0, [1.0] * len(ids))
+
+
+@dataclass
+class AutoState:
+    lookup: PromptLookupState
+    model: Any
+    score: float = 1.0  # EMA of prompt-lookup first-token hits
+    pending: tuple[int, int] | None = None  # (position, token) prompt lookup predicted last round
+    used_lookup: int = 0
+    used_model: int = 0
+
+
+class AutoDrafter:
+    """Prompt lookup when it is matching well, otherwise a model drafter.
+
+    Each round, prompt lookup's candidate (when there is one) is scored
+    against what the target then commits at that position — whether or not
+    it was proposed — as an exponential moving average of first-token hits.
+    The round uses prompt lookup when the match is at least ``min_ngram``
+    tokens long and the score is at least ``threshold``; otherwise the model
+    drafter. The choice uses only information from before the round's
+    verification, and each round's q is the q its drafter sampled, so the
+    output distribution is unchanged (design.md rules 2, 3, 5).
+    """
+
+    inline = False  # the model drafter runs on the worker thread
+
+    def __init__(
+        self,
+        name: str,
+        lookup: PromptLookupDrafter,
+        model: Any,
+        *,
+        min_ngram: int = 2,
+        threshold: float = 0.5,
+        decay: float = 0.7,
+    ) -> None:
+        if lookup.vocab_size != model.vocab_size:
+            raise ValueError("prompt lookup and the model drafter must share the target vocabulary")
+        self.name = name
+        self.lookup = lookup
+        self.model = model
+        self.vocab_size = model.vocab_size
+        self.max_context_tokens = model.max_context_tokens
+        self.min_ngram = min_ngram
+        self.threshold = threshold
+        self.decay = decay
+
+    def new_state(self) -> AutoState:
+        return AutoState(self.lookup.new_state(), self.model.new_state())
+
+    def propose(
+        self,
+        state: AutoState,
+        committed: Sequence[int],
+        num_tokens: int,
+        cfg: SamplingConfig,
+        rng: np.random.Generator,
+        min_confidence: float = 0.0,
+    ) -> Proposal:
+        if not committed:
+            raise InvalidArgument("the committed context is empty")
+        if state.pending is not None:
+            pos, tok = state.pending
+            if pos < len(committed):
+                hit = 1.0 if committed[pos] == tok else 0.0
+                state.score = self.decay * state.score + (1 - self.decay) * hit
+            state.pending = None
+        state.lookup.index.sync(committed)
+        n, ids = state.lookup.index.lookup(num_tokens)
+        if ids:
+            state.pending = (len(committed), ids[0])
+        if ids and n >= self.min_ngram and state.score >= self.threshold:
+            state.used_lookup += 1
+            q = [(np.array([x], dtype=np.int32), _ONE.copy()) for x in ids]
+            return Proposal(list(ids), q, 0, [1.0] * len(ids))
+        state.used_model += 1
+        return self.model.propose(state.model, committed, num_tokens, cfg, rng, min_confidence)

@@ -326,6 +326,20 @@ def load_drafter(spec: DrafterSpec, config: DraftServiceConfig, target: TargetVo
     )
 
 
+def load_auto_drafter(spec: DrafterSpec, fallback: LoadedDrafter) -> LoadedDrafter:
+    """An ``auto`` drafter over a loaded model drafter (reports its vocabulary)."""
+    from draft_service.prompt_lookup import AutoDrafter, PromptLookupDrafter
+
+    vocab = fallback.drafter.vocab_size
+    lookup = PromptLookupDrafter(spec.name, vocab, min_ngram=spec.min_ngram, max_ngram=spec.max_ngram)
+    auto = AutoDrafter(spec.name, lookup, fallback.drafter)
+    return LoadedDrafter(
+        auto, f"auto(prompt-lookup, {fallback.model_name})", fallback.precision, fallback.tokenizer_fingerprint,
+        list(fallback.eos_token_ids), kind=spec.kind, device=fallback.device,
+        max_context_tokens=fallback.max_context_tokens, intersection=fallback.intersection,
+    )
+
+
 def warmup(drafter: Drafter) -> None:
     """One short propose per sampling mode (graph optimisation, allocations)."""
     state = drafter.new_state()
@@ -364,7 +378,13 @@ async def start(config: DraftServiceConfig) -> DraftServer:
         target = None
         if any(d.kind in ("tli", "prompt-lookup") for d in config.drafters):
             target, _ = await worker.run(load_target_vocab, config)
-        for spec in config.drafters:
+        # auto drafters wrap a model drafter: load them last
+        for spec in sorted(config.drafters, key=lambda d: d.kind == "auto"):
+            if spec.kind == "auto":
+                loaded, t = await worker.run(load_auto_drafter, spec, drafters[spec.fallback])
+                drafters[spec.name] = loaded
+                log(logger, logging.INFO, "drafter ready", drafter=spec.name, kind=spec.kind, fallback=spec.fallback)
+                continue
             loaded, t = await worker.run(load_drafter, spec, config, target)
             if config.warmup:
                 await worker.run(warmup, loaded.drafter)

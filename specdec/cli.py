@@ -50,13 +50,15 @@ def _add_draft_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
 MODEL_DRAFTER = "qwen2.5-coder-0.5b"  # the same-tokenizer model drafter (--draft-model)
 TLI_DRAFTER = "smollm2-135m"  # the different-tokenizer drafter (token-level intersection)
 PROMPT_LOOKUP_DRAFTER = "prompt-lookup"  # model-free n-gram drafter
+AUTO_DRAFTER = "auto"  # optional: prompt lookup while it matches well, else the model drafter
 DEFAULT_DRAFTERS = f"{MODEL_DRAFTER},{TLI_DRAFTER},{PROMPT_LOOKUP_DRAFTER}"
 DEFAULT_TLI_MODEL = "smollm2-135m-instruct"
 
 
 def _add_drafter_choice_flags(p: argparse._ActionsContainer, prefix: str = "") -> None:
     p.add_argument("--drafters", default=DEFAULT_DRAFTERS,
-                   help=f"comma-separated drafters the draft service hosts (built-ins: {DEFAULT_DRAFTERS})")
+                   help=f"comma-separated drafters the draft service hosts (built-ins: {DEFAULT_DRAFTERS}; "
+                        f"optional: {AUTO_DRAFTER}, prompt lookup while it matches well, else the model drafter)")
     p.add_argument("--default-drafter", default=None,
                    help=f"drafter for requests that name none (default: {MODEL_DRAFTER} when hosted, else the first)")
     p.add_argument(f"--{prefix}tli-model", dest="tli_model", default=DEFAULT_TLI_MODEL,
@@ -67,9 +69,12 @@ def _add_drafter_choice_flags(p: argparse._ActionsContainer, prefix: str = "") -
 
 def _drafter_names(a: argparse.Namespace) -> list[str]:
     names = [n.strip() for n in str(a.drafters).split(",") if n.strip()]
-    unknown = [n for n in names if n not in (MODEL_DRAFTER, TLI_DRAFTER, PROMPT_LOOKUP_DRAFTER)]
+    unknown = [n for n in names if n not in (MODEL_DRAFTER, TLI_DRAFTER, PROMPT_LOOKUP_DRAFTER, AUTO_DRAFTER)]
     if unknown or not names:
-        raise SystemExit(f"specdec: --drafters: unknown or empty {unknown or names}; built-ins: {DEFAULT_DRAFTERS}")
+        raise SystemExit(f"specdec: --drafters: unknown or empty {unknown or names}; "
+                         f"built-ins: {DEFAULT_DRAFTERS},{AUTO_DRAFTER}")
+    if AUTO_DRAFTER in names and MODEL_DRAFTER not in names and TLI_DRAFTER not in names:
+        raise SystemExit(f"specdec: --drafters: {AUTO_DRAFTER} needs {MODEL_DRAFTER} or {TLI_DRAFTER} as its fallback")
     return names
 
 
@@ -94,6 +99,9 @@ def draft_config(a: argparse.Namespace, port: int) -> Any:
             specs.append(DrafterSpec(name=model_name, model=a.draft_model, precision=a.draft_precision))
         elif n == TLI_DRAFTER:
             specs.append(DrafterSpec(name=TLI_DRAFTER, model=a.tli_model, precision=a.tli_precision, kind="tli"))
+        elif n == AUTO_DRAFTER:
+            fallback = model_name if MODEL_DRAFTER in _drafter_names(a) else TLI_DRAFTER
+            specs.append(DrafterSpec(name=AUTO_DRAFTER, kind="auto", fallback=fallback))
         else:
             specs.append(DrafterSpec(name=PROMPT_LOOKUP_DRAFTER, kind="prompt-lookup"))
     names = [d.name for d in specs]

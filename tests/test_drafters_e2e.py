@@ -1,6 +1,7 @@
 """Issue-4 drafters end to end through real gRPC services on loopback:
 a different-tokenizer draft (token-level intersection) and model-free prompt
-lookup, hosted next to a same-tokenizer ONNX draft in one draft service and
+lookup, hosted next to a same-tokenizer ONNX draft (and an ``auto`` drafter:
+prompt lookup while it matches, else the TLI draft) in one draft service and
 chosen per request.
 
 Tiny models: the target's tokenizer has characters plus the merges
@@ -34,7 +35,7 @@ CHARS = "abcdefghijklmnopqrstuvwxyz .,:!?\n"
 TARGET_MERGES = [("t", "h"), ("th", "e"), ("i", "n"), (" ", "t"), ("e", "r")]
 DRAFT_MERGES = [("t", "h"), ("a", "n"), ("e", "r"), ("o", "u"), (" ", "a")]
 SMALL_CHARS = "abcde"
-DRAFTERS = ("tiny-draft", "tli", "prompt-lookup")
+DRAFTERS = ("tiny-draft", "tli", "prompt-lookup", "auto")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ def multi_stack(tli_models: TliModels, onnx_cache_dir: Path) -> Stack:  # type: 
         DrafterSpec(name="tiny-draft", model=str(tli_models.same), precision="fp32"),
         DrafterSpec(name="tli", model=str(tli_models.tli_draft), precision="fp32", kind="tli", lookbehind_tokens=4),
         DrafterSpec(name="prompt-lookup", kind="prompt-lookup"),
+        DrafterSpec(name="auto", kind="auto", fallback="tli"),
     ]
     s = start_stack(tli_models.target, None, onnx_cache_dir, drafters=drafters)
     yield s

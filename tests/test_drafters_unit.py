@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from draft_service.prompt_lookup import NgramIndex, PromptLookupDrafter
+from draft_service.drafter import Proposal
+from draft_service.prompt_lookup import AutoDrafter, NgramIndex, PromptLookupDrafter
 from draft_service.tli import RetokenizedContext, render_text, utf8_complete_prefix
 from draft_service.vocab_map import TokenTable, build_vocab_map, token_table
 from specdec.sampling import SamplingConfig
@@ -190,3 +191,40 @@ def test_prompt_lookup_latency_is_well_under_a_millisecond(capsys: pytest.Captur
     with capsys.disabled():
         print(f"\nprompt-lookup propose: {per_call_us:.1f} µs per call (2k-token context)")
     assert per_call_us > 0
+
+
+class _ModelStub:
+    """Stands in for a model drafter: always proposes [99]."""
+
+    vocab_size = 100
+    max_context_tokens = 1000
+    inline = False
+
+    def new_state(self) -> list[int]:
+        return []
+
+    def propose(self, state, committed, num_tokens, cfg, rng, min_confidence=0.0):  # type: ignore[no-untyped-def]
+        state.append(len(committed))
+        return Proposal([99], [(np.array([99], dtype=np.int32), np.ones(1, dtype=np.float32))], 1, [0.5])
+
+
+def test_auto_drafter_uses_prompt_lookup_while_it_matches() -> None:
+    auto = AutoDrafter("auto", PromptLookupDrafter("pl", 100), _ModelStub(), min_ngram=2, threshold=0.5, decay=0.5)
+    state = auto.new_state()
+    cfg, rng = SamplingConfig(), np.random.default_rng(0)
+    seq = [1, 2, 3, 4, 5, 6, 7, 1, 2]
+    p = auto.propose(state, seq, 3, cfg, rng)
+    assert p.token_ids == [3, 4, 5] and state.used_lookup == 1  # 2-gram [1, 2] matched
+    p = auto.propose(state, seq + [8], 3, cfg, rng)  # the target committed 8, not 3: a miss
+    assert p.token_ids == [99] and state.score == 0.5  # no match for [2, 8]: the model drafts
+    seq2 = seq + [8, 1, 2]
+    p = auto.propose(state, seq2, 3, cfg, rng)  # [1, 2] matches again (score 0.5 >= threshold)
+    assert p.token_ids == [8, 1, 2]
+    p = auto.propose(state, seq2 + [5, 1, 2], 3, cfg, rng)  # miss: score 0.25; [1, 2] matches, model drafts
+    assert p.token_ids == [99] and state.score == 0.25
+    p = auto.propose(state, seq2 + [5, 1, 2, 5], 3, cfg, rng)  # the skipped candidate (5) hit: 0.625
+    assert state.score == pytest.approx(0.625)
+    assert p.token_ids == [1, 2, 5]  # back to prompt lookup ([1, 2, 5] matched)
+    p = auto.propose(state, [1, 2, 3, 4, 3], 3, cfg, rng)  # a rebuilt session: only the 1-gram [3] matches
+    assert p.token_ids == [99]  # below min_ngram
+    assert (state.used_lookup, state.used_model) == (3, 3)
