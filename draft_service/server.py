@@ -92,6 +92,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     ) -> common_pb2.ModelInfo:
         d = self._get(request.drafter)
         return common_pb2.ModelInfo(
+            drafter=d.drafter.name,
             model_name=d.model_name,
             vocab_size=d.drafter.vocab_size,
             eos_token_ids=d.eos_token_ids,

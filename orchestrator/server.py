@@ -354,7 +354,7 @@ async def _attach_draft(
         log(logger, logging.WARNING, "draft vocabulary is larger than the target's; speculation disabled")
         return
     servicer.draft = draft
-    servicer.default_drafter = dinfo.model_name
+    servicer.default_drafter = dinfo.drafter or dinfo.model_name
     log(logger, logging.INFO, "draft service attached", draft=dinfo.model_name)
 
 
