@@ -55,6 +55,8 @@ class DraftServiceConfig:
     max_queue: int = 256  # pending model jobs before RESOURCE_EXHAUSTED
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     warmup: bool = True
+    metrics_port: int = 0  # Prometheus /metrics HTTP port; 0 = off
+    metrics_host: str = "127.0.0.1"
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir is not None:

@@ -25,6 +25,7 @@ from draft_service.sessions import ProposeResult, SessionStore
 from specdec.errors import InvalidArgument, Unavailable
 from specdec.grpc_util import ModelWorker, ServerHandle, WorkTiming, start_server, translate_errors
 from specdec.logging_util import log
+from specdec.metrics import ModelServiceMetrics, serve_metrics
 from specdec.sampling import SamplingConfig
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -73,6 +74,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self.sessions = sessions
         self._drafters: dict[str, LoadedDrafter] = {}
         self.proposals: collections.Counter[str] = collections.Counter()  # Propose calls per drafter
+        self.metrics = ModelServiceMetrics.create("draft")
 
     def attach(self, drafters: dict[str, LoadedDrafter]) -> None:
         self._drafters = drafters
@@ -135,6 +137,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             result, timing = await self.worker.run(self.sessions.propose, *args)
         p = result.proposal
         self.proposals[session.drafter.name] += 1
+        self.metrics.observe("propose", p.fed_tokens, timing.queue_ms, timing.compute_ms)
+        self.metrics.active_sessions.set(len(self.sessions))
+        self.metrics.queue_depth.set(self.worker.pending)
         return draft_pb2.ProposeResponse(
             token_ids=p.token_ids,
             probs=[
@@ -151,6 +156,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ReleaseResponse:
         self.sessions.release(request.session_id)
+        self.metrics.active_sessions.set(len(self.sessions))
         return common_pb2.ReleaseResponse(released=True)
 
 
@@ -408,6 +414,7 @@ async def start(config: DraftServiceConfig) -> DraftServer:
         raise
     servicer.attach(drafters)
     reaper = asyncio.create_task(_reap(sessions, config.session_ttl_s))
+    serve_metrics(servicer.metrics.registry, config.metrics_port, config.metrics_host)
     await handle.set_serving(True)
     log(logger, logging.INFO, "draft service ready", port=handle.port, drafters=list(drafters))
     return DraftServer(handle, sessions, drafters, worker, reaper, servicer)

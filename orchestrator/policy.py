@@ -136,11 +136,18 @@ class AcceptancePrior:
                 self._acc[i] = self._acc[i] * self.decay + (1.0 if i < accepted else 0.0)
                 self._tried[i] = self._tried[i] * self.decay + 1.0
 
+    def pooled(self, strength: float = 2.0) -> float:
+        """Acceptance over all positions, smoothed towards ``default_alpha``."""
+        with self._lock:
+            return (sum(self._acc) + strength * self.default_alpha) / (sum(self._tried) + strength)
+
     def alphas(self, strength: float = 2.0) -> list[float]:
-        """Per-position α, smoothed towards ``default_alpha`` by ``strength`` pseudo-counts."""
+        """Per-position α, smoothed towards the pooled α by ``strength``
+        pseudo-counts (positions nobody tried yet get the pooled value)."""
+        pooled = self.pooled(strength)
         with self._lock:
             return [
-                (self._acc[i] + strength * self.default_alpha) / (self._tried[i] + strength)
+                (self._acc[i] + strength * pooled) / (self._tried[i] + strength)
                 for i in range(self.max_positions)
             ]
 
@@ -225,9 +232,10 @@ class _WeightedLine:
 @dataclass
 class AdaptiveConfig:
     gamma_max: int = 8
-    prior_strength: float = 4.0  # pseudo-observations of the shared prior per position
+    prior_strength: float = 4.0  # pseudo-observations of the prior mean, per position
+    level_prior_strength: float = 8.0  # pseudo-observations of the shared pooled α in the request's level
     probe_every: int = 8  # rounds at γ = 0 before probing speculation again (doubles up to 64)
-    probe_gamma: int = 2
+    probe_gamma: int = 1
     thompson: bool = True  # sample α from its posterior each round (exploration) instead of using the mean
     explore_every: int = 12  # every n-th speculative round tries a neighbouring γ (keeps the cost slope learnt)
     min_gain: float = 1.02  # speculate only when E/T beats plain decoding by this factor
@@ -250,9 +258,18 @@ class AdaptivePolicy:
     name = "adaptive"
 
     def __init__(
-        self, prior: AcceptancePrior, costs: CostModel, cfg: AdaptiveConfig | None = None, seed: int = 0
+        self,
+        prior: AcceptancePrior,
+        costs: CostModel,
+        cfg: AdaptiveConfig | None = None,
+        seed: int = 0,
+        update_shared: bool = True,
     ) -> None:
+        """``update_shared=False`` when something else (the orchestrator's
+        stats path, which sees every request's rounds) feeds ``prior`` and
+        ``costs``; the policy then only keeps this request's own counts."""
         self.cfg = cfg or AdaptiveConfig()
+        self.update_shared = update_shared
         self._rng = random.Random(seed)
         self.prior = prior
         self.costs = costs
@@ -266,16 +283,26 @@ class AdaptivePolicy:
 
     # -------------------------------------------------------------- estimates
     def alphas(self, sample: bool = False) -> list[float]:
-        """Per-position acceptance: the Beta posterior of this request's counts
-        with the shared prior as ``prior_strength`` pseudo-observations. With
-        ``sample``, a Thompson draw instead of the mean, which explores exactly
-        as much as the estimates are uncertain (so a request stuck at γ = 0 on
-        noisy early evidence still finds its way back)."""
-        prior = self.prior.alphas()
+        """Per-position acceptance P(token i accepted | tokens before it were).
+
+        Each position has a Beta posterior over this request's counts whose
+        prior mean is the request's *level* (its pooled acceptance over all
+        positions, itself smoothed towards the shared prior) times the shared
+        *positional shape* (how acceptance varies with depth across requests).
+        So deep positions this request has not tried yet inherit its level,
+        rather than a fixed default, and the span can grow as far as the text
+        allows. With ``sample``, a Thompson draw instead of the mean, which
+        explores exactly as much as the estimates are uncertain.
+        """
         s = self.cfg.prior_strength
+        shared = self.prior.alphas()
+        shared_pooled = self.prior.pooled()
+        sl = self.cfg.level_prior_strength
+        level = (sum(self._acc) + sl * shared_pooled) / (sum(self._tried) + sl)
         out = []
         for i in range(self.cfg.gamma_max):
-            p = prior[i] if i < len(prior) else prior[-1]
+            shape = (shared[i] if i < len(shared) else shared[-1]) / max(shared_pooled, 1e-6)
+            p = min(0.995, max(0.005, level * shape))
             a = self._acc[i] + s * p
             b = (self._tried[i] - self._acc[i]) + s * (1.0 - p)
             out.append(self._rng.betavariate(max(a, 1e-3), max(b, 1e-3)) if sample else a / (a + b))
@@ -320,10 +347,12 @@ class AdaptivePolicy:
         return 0
 
     def observe(self, obs: RoundObservation) -> None:
-        self.costs.observe(obs)
+        if self.update_shared:
+            self.costs.observe(obs)
+            if obs.gamma > 0:
+                self.prior.update(obs.gamma, obs.accepted)
         if obs.gamma <= 0:
             return
-        self.prior.update(obs.gamma, obs.accepted)
         for i in range(min(obs.gamma, self.cfg.gamma_max)):
             if i > obs.accepted:
                 break
@@ -366,10 +395,24 @@ class PolicyFactory:
         if mode == "heuristic":
             return HeuristicPolicy(gamma=gamma or self.default_gamma, gamma_max=self.gamma_max)
         cfg = AdaptiveConfig(**{**self.adaptive.__dict__, "gamma_max": gamma or self.adaptive.gamma_max})
+        prior, costs = self._shared(drafter)
+        self._made += 1
+        return AdaptivePolicy(prior, costs, cfg, seed=self._made, update_shared=False)
+
+    def _shared(self, drafter: str) -> tuple[AcceptancePrior, CostModel]:
+        cfg = self.adaptive
         prior = self.priors.setdefault(drafter, AcceptancePrior(max_positions=max(16, cfg.gamma_max)))
         costs = self.costs.setdefault(
             drafter, CostModel(verify_slope_ms=cfg.default_verify_slope_ms, draft_token_ms=cfg.default_draft_token_ms)
         )
-        self._made += 1
-        return AdaptivePolicy(prior, costs, cfg, seed=self._made)
+        return prior, costs
+
+    def observe(self, obs: RoundObservation, drafter: str) -> None:
+        """Every verified round of every request, whatever its policy, feeds
+        the shared acceptance prior and cost model of its drafter, so
+        adaptive requests start from what the server has already seen."""
+        prior, costs = self._shared(drafter)
+        costs.observe(obs)
+        if obs.gamma > 0:
+            prior.update(obs.gamma, obs.accepted)
 

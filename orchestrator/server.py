@@ -37,13 +37,16 @@ MODE_NAMES = {
 
 
 class MetricsSink:
-    """The per-round stats path into Prometheus (the same RoundObservation
-    also feeds the draft-length policy)."""
+    """The per-round stats path: every RoundObservation feeds Prometheus and
+    the shared acceptance/cost statistics the adaptive policy starts from
+    (the request's own policy gets the same object in ``Decoder``)."""
 
-    def __init__(self, m: OrchestratorMetrics) -> None:
+    def __init__(self, m: OrchestratorMetrics, policies: PolicyFactory) -> None:
         self.m = m
+        self.policies = policies
 
     def on_round(self, obs: RoundObservation, drafter: str) -> None:
+        self.policies.observe(obs, drafter)
         m = self.m
         m.rounds.inc()
         m.verify_time.observe(obs.verify_compute_ms / 1e3)
@@ -88,12 +91,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.limits = limits
         self.active = 0
         self.metrics = OrchestratorMetrics.create()
-        self.sink = MetricsSink(self.metrics)
         self.policies = PolicyFactory(
             default_gamma=config.default_num_draft_tokens,
             gamma_max=config.max_num_draft_tokens,
             adaptive=AdaptiveConfig(gamma_max=config.adaptive_gamma_max),
         )
+        self.sink = MetricsSink(self.metrics, self.policies)
         self.default_drafter = ""
         self.metrics_port: int | None = None
 

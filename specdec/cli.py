@@ -113,7 +113,7 @@ def draft_config(a: argparse.Namespace, port: int) -> Any:
         host=a.host, port=port, drafters=specs, default_drafter=default,
         target_tokenizer=getattr(a, "target_tokenizer", None) or DEFAULT_TARGET,
         intra_op_threads=a.draft_threads, execution=a.draft_execution, cache_dir=a.cache_dir,
-        allow_spinning=a.draft_spin == "on",
+        allow_spinning=a.draft_spin == "on", metrics_port=a.metrics_port, metrics_host=a.metrics_host,
     )
 
 
@@ -206,6 +206,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         cmds["draft"] = base + ["draft", "--port", str(dport), "--model", a.draft_model,
                                 "--precision", a.draft_precision, "--execution", a.draft_execution,
                                 "--threads", str(a.draft_threads), "--spin", a.draft_spin,
+                                "--metrics-port", str(a.metrics_port + 1 if a.metrics_port else 0),
                                 "--drafters", ",".join(_drafter_names(a)), "--tli-model", a.tli_model,
                                 "--tli-precision", a.tli_precision, "--target-tokenizer", a.target_model]
         if a.default_drafter:

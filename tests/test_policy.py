@@ -158,3 +158,15 @@ def test_factory_modes() -> None:
     b = f.make("adaptive", 0, "d")
     assert a.name == "adaptive" and a.prior is b.prior and a.costs is b.costs  # type: ignore[attr-defined]
     assert f.make("adaptive", 0, "other").prior is not a.prior  # type: ignore[attr-defined]
+
+
+def test_every_round_feeds_the_shared_statistics() -> None:
+    """Rounds of fixed-γ requests warm the prior an adaptive request starts from."""
+    f = PolicyFactory(default_gamma=4)
+    cold = f.make("adaptive", 0, "d").alphas()[0]  # type: ignore[attr-defined]
+    for _ in range(50):
+        f.observe(RoundObservation(gamma=4, accepted=4, draft_ms=80.0, verify_ms=250.0, tokens_in_pass=5), "d")
+    warm = f.make("adaptive", 0, "d")
+    assert warm.alphas()[0] > cold + 0.2  # type: ignore[attr-defined]
+    assert warm.costs.verify_ms(5) == pytest.approx(250.0, rel=0.05)  # type: ignore[attr-defined]
+    assert warm.next_gamma() >= 4
