@@ -29,15 +29,9 @@ CHAT_TEMPLATE = (
 
 def _byte_to_unicode() -> dict[int, str]:
     """The GPT-2 / Qwen byte-level alphabet: byte -> printable unicode char."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    from draft_service.vocab_map import byte_decoder
+
+    return {b: ch for ch, b in byte_decoder().items()}
 
 
 def build_tiny_tokenizer(
