@@ -330,7 +330,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print("\n" + "-" * 60)
         print(f"finish_reason={finish_name} tokens={s.generated_tokens} prompt_tokens={s.prompt_tokens}")
         print(f"tokens/s={s.tokens_per_second:.2f} ttft_ms={s.time_to_first_token_ms:.0f} total_ms={s.total_ms:.0f}")
-        print(f"rounds={s.rounds} drafted={s.draft_tokens} accepted={s.accepted_tokens} "
+        print(f"policy={s.policy or 'off'} drafter={s.drafter or '-'} "
+              f"rounds={s.rounds} drafted={s.draft_tokens} accepted={s.accepted_tokens} "
               f"acceptance={s.acceptance_rate:.3f} mean_accepted_length={s.mean_accepted_length:.2f}")
         print(f"time split: draft={s.draft_ms:.0f}ms verify={s.verify_ms:.0f}ms overhead={s.overhead_ms:.0f}ms")
     return 0
