@@ -96,10 +96,6 @@ class UnknownDrafter(InvalidArgument):
     """The request named a drafter the draft service does not host."""
 
 
-class DraftFailure(Exception):
-    """A draft call failed for a reason that should not fail the request."""
-
-
 class RoundSink(Protocol):
     """Receives every verified round (the metrics path)."""
 
@@ -247,7 +243,7 @@ class Decoder:
                     continue
             except UnknownDrafter:
                 raise
-            except (DraftFailure, SpecdecError) as e:
+            except SpecdecError as e:
                 if self.p.deadline is not None and time.monotonic() >= self.p.deadline:
                     raise DeadlineExceeded("request deadline exceeded") from None
                 # Keep the session: if the draft comes back it is reused (its

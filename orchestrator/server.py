@@ -17,7 +17,7 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.decode import DecodeParams, Decoder, RequestStats
 from orchestrator.detokenizer import IncrementalDetokenizer, StopMatcher
 from orchestrator.policy import AdaptiveConfig, PolicyFactory, RoundObservation
-from specdec.errors import InvalidArgument, ResourceExhausted, SpecdecError, Unavailable
+from specdec.errors import InvalidArgument, SpecdecError, Unavailable
 from specdec.grpc_util import ServerHandle, start_server
 from specdec.logging_util import log
 from specdec.metrics import OrchestratorMetrics, serve_metrics
