@@ -277,6 +277,7 @@ class Decoder:
         self.stats.first_token_at = time.perf_counter()
         yield Step([reply.next_token], [reply.logit_gap])
 
+        self._continued = False  # the previous round's whole span was accepted
         while self.generated < self.p.max_new_tokens:
             remaining = self.p.max_new_tokens - self.generated
             gamma = min(self.p.policy.next_gamma(), remaining - 1)
@@ -309,7 +310,9 @@ class Decoder:
                 verify_queue_ms=verified.queue_ms,
                 tokens_in_pass=tokens_in_pass,
                 queue_depth=verified.queue_depth,
+                continued=self._continued,
             )
+            self._continued = 0 < len(draft_ids) == verified.num_accepted
             self.p.policy.observe(obs)
             if self.p.sink is not None:
                 self.p.sink.on_round(obs, self.p.drafter_label)

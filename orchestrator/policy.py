@@ -33,6 +33,9 @@ class RoundObservation:
     verify_compute_ms / verify_queue_ms: reported by the target.
     tokens_in_pass: tokens the target ran in the verify pass (new + drafted).
     queue_depth: jobs pending at the target when the call was admitted.
+    continued: the previous round of this request drafted and had every
+      drafted token accepted, so this round continues a run of agreement
+      (see ``AcceptancePrior``).
     """
 
     gamma: int
@@ -44,6 +47,7 @@ class RoundObservation:
     verify_queue_ms: float = 0.0
     tokens_in_pass: int = 1
     queue_depth: int = 0
+    continued: bool = False
 
 
 class DraftLengthPolicy(Protocol):
@@ -115,41 +119,53 @@ def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
     return e
 
 
+FRESH, CONTINUED = 0, 1  # the acceptance state a round starts in
+
+
 class AcceptancePrior:
     """Process-wide, per-drafter acceptance statistics shared across requests:
-    exponentially decayed counts of (accepted, tried) per draft position. New
-    requests start from it; each request's own evidence then dominates."""
+    exponentially decayed counts of (accepted, tried) per draft position, kept
+    apart for the two states a round can start in. A draft agrees with the
+    target in runs: a round that starts right after a rejection (FRESH) sees
+    the start of a new run, while one that follows a fully accepted span
+    (CONTINUED) is inside a run that has already lasted, and runs that last
+    tend to go on (code being copied, boilerplate). New requests start from
+    these; each request's own evidence then dominates."""
 
-    def __init__(self, max_positions: int = 16, decay: float = 0.999, default_alpha: float = 0.6) -> None:
+    def __init__(self, max_positions: int = 16, decay: float = 0.98, default_alpha: float = 0.6) -> None:
         self.max_positions = max_positions
         self.decay = decay
         self.default_alpha = default_alpha
-        self._acc = [0.0] * max_positions
-        self._tried = [0.0] * max_positions
+        self._acc = [[0.0] * max_positions for _ in (FRESH, CONTINUED)]
+        self._tried = [[0.0] * max_positions for _ in (FRESH, CONTINUED)]
         self._lock = threading.Lock()
 
-    def update(self, gamma: int, accepted: int) -> None:
+    def update(self, gamma: int, accepted: int, state: int = FRESH) -> None:
+        acc, tried = self._acc[state], self._tried[state]
         with self._lock:
+            # every position decays on every update, so evidence from other
+            # traffic fades at deep positions too, not only where it is renewed
+            for i in range(self.max_positions):
+                acc[i] *= self.decay
+                tried[i] *= self.decay
             for i in range(min(gamma, self.max_positions)):
                 if i > accepted:
                     break
-                self._acc[i] = self._acc[i] * self.decay + (1.0 if i < accepted else 0.0)
-                self._tried[i] = self._tried[i] * self.decay + 1.0
+                acc[i] += 1.0 if i < accepted else 0.0
+                tried[i] += 1.0
 
-    def pooled(self, strength: float = 2.0) -> float:
+    def pooled(self, strength: float = 2.0, state: int = FRESH) -> float:
         """Acceptance over all positions, smoothed towards ``default_alpha``."""
         with self._lock:
-            return (sum(self._acc) + strength * self.default_alpha) / (sum(self._tried) + strength)
+            return (sum(self._acc[state]) + strength * self.default_alpha) / (sum(self._tried[state]) + strength)
 
-    def alphas(self, strength: float = 2.0) -> list[float]:
+    def alphas(self, strength: float = 2.0, state: int = FRESH) -> list[float]:
         """Per-position α, smoothed towards the pooled α by ``strength``
         pseudo-counts (positions nobody tried yet get the pooled value)."""
-        pooled = self.pooled(strength)
+        pooled = self.pooled(strength, state)
+        acc, tried = self._acc[state], self._tried[state]
         with self._lock:
-            return [
-                (self._acc[i] + strength * pooled) / (self._tried[i] + strength)
-                for i in range(self.max_positions)
-            ]
+            return [(acc[i] + strength * pooled) / (tried[i] + strength) for i in range(self.max_positions)]
 
 
 class CostModel:
@@ -233,7 +249,7 @@ class _WeightedLine:
 class AdaptiveConfig:
     gamma_max: int = 8
     prior_strength: float = 4.0  # pseudo-observations of the prior mean, per position
-    level_prior_strength: float = 8.0  # pseudo-observations of the shared pooled α in the request's level
+    level_prior_strength: float = 16.0  # pseudo-tokens at level 1 (the shared estimates) in the request's level
     probe_every: int = 8  # rounds at γ = 0 before probing speculation again (doubles up to 64)
     probe_gamma: int = 1
     thompson: bool = True  # sample α from its posterior each round (exploration) instead of using the mean
@@ -274,39 +290,51 @@ class AdaptivePolicy:
         self.prior = prior
         self.costs = costs
         n = self.cfg.gamma_max
-        self._acc = [0.0] * n
-        self._tried = [0.0] * n
+        self._acc = [[0.0] * n for _ in (FRESH, CONTINUED)]
+        self._tried = [[0.0] * n for _ in (FRESH, CONTINUED)]
+        self._state = FRESH  # the state the next round starts in
+        self._level_acc = 0.0  # tokens accepted by this request
+        self._level_expected = 0.0  # tokens the shared estimates predicted for the same rounds
         self._zero_rounds = 0
         self._probe_every = self.cfg.probe_every
         self._spec_rounds = 0
         self.last_scores: dict[int, float] = {}
 
     # -------------------------------------------------------------- estimates
-    def alphas(self, sample: bool = False) -> list[float]:
-        """Per-position acceptance P(token i accepted | tokens before it were).
+    def alphas(self, sample: bool = False, state: int | None = None) -> list[float]:
+        """Per-position acceptance P(token i accepted | tokens before it were)
+        for a round starting in ``state`` (default: the next round's).
 
-        Each position has a Beta posterior over this request's counts whose
-        prior mean is the request's *level* (its pooled acceptance over all
-        positions, itself smoothed towards the shared prior) times the shared
-        *positional shape* (how acceptance varies with depth across requests).
-        So deep positions this request has not tried yet inherit its level,
-        rather than a fixed default, and the span can grow as far as the text
-        allows. With ``sample``, a Thompson draw instead of the mean, which
-        explores exactly as much as the estimates are uncertain.
+        Each (state, position) has a Beta posterior over this request's
+        counts whose prior mean is the shared estimate for that state and
+        position (``AcceptancePrior``: how acceptance varies with depth and
+        with whether the round continues a run, across requests) scaled by
+        this request's *level*: its accepted tokens over the tokens the
+        shared estimates predicted for the same rounds, shrunk towards 1. So
+        a request of easy text raises every position at once, also those it
+        has not tried yet, and the span can grow as far as its text allows.
+        With ``sample``, a Thompson draw instead of the mean, which explores
+        exactly as much as the estimates are uncertain.
         """
+        st = self._state if state is None else state
         s = self.cfg.prior_strength
-        shared = self.prior.alphas()
-        shared_pooled = self.prior.pooled()
-        sl = self.cfg.level_prior_strength
-        level = (sum(self._acc) + sl * shared_pooled) / (sum(self._tried) + sl)
+        shared = self.prior.alphas(state=st)
+        level = self.level()
+        acc, tried = self._acc[st], self._tried[st]
         out = []
         for i in range(self.cfg.gamma_max):
-            shape = (shared[i] if i < len(shared) else shared[-1]) / max(shared_pooled, 1e-6)
-            p = min(0.995, max(0.005, level * shape))
-            a = self._acc[i] + s * p
-            b = (self._tried[i] - self._acc[i]) + s * (1.0 - p)
+            p = min(0.995, max(0.005, level * (shared[i] if i < len(shared) else shared[-1])))
+            a = acc[i] + s * p
+            b = (tried[i] - acc[i]) + s * (1.0 - p)
             out.append(self._rng.betavariate(max(a, 1e-3), max(b, 1e-3)) if sample else a / (a + b))
         return out
+
+    def level(self) -> float:
+        """This request's acceptance relative to the shared estimates
+        (accepted / predicted), with ``level_prior_strength`` pseudo-tokens
+        at 1."""
+        sl = self.cfg.level_prior_strength
+        return (self._level_acc + sl) / (self._level_expected + sl)
 
     def round_ms(self, gamma: int) -> float:
         c = self.cfg
@@ -350,15 +378,20 @@ class AdaptivePolicy:
         if self.update_shared:
             self.costs.observe(obs)
             if obs.gamma > 0:
-                self.prior.update(obs.gamma, obs.accepted)
+                self.prior.update(obs.gamma, obs.accepted, CONTINUED if obs.continued else FRESH)
+        state, self._state = self._state, (CONTINUED if 0 < obs.gamma == obs.accepted else FRESH)
         if obs.gamma <= 0:
             return
+        acc, tried = self._acc[state], self._tried[state]
+        shared = self.prior.alphas(state=state)
         for i in range(min(obs.gamma, self.cfg.gamma_max)):
             if i > obs.accepted:
                 break
-            self._tried[i] += 1.0
+            tried[i] += 1.0
+            self._level_expected += shared[min(i, len(shared) - 1)]
             if i < obs.accepted:
-                self._acc[i] += 1.0
+                acc[i] += 1.0
+                self._level_acc += 1.0
 
 
 def optimal_gamma(alpha: float, c: float, gamma_max: int, verify_slope: float = 0.0) -> int:
@@ -414,5 +447,5 @@ class PolicyFactory:
         prior, costs = self._shared(drafter)
         costs.observe(obs)
         if obs.gamma > 0:
-            prior.update(obs.gamma, obs.accepted)
+            prior.update(obs.gamma, obs.accepted, CONTINUED if obs.continued else FRESH)
 
