@@ -171,3 +171,19 @@ class ModelWorker:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def drain(handle: ServerHandle, in_flight: Callable[[], int], timeout_s: float, service: str) -> None:
+    """Graceful shutdown, step one: health goes NOT_SERVING (Kubernetes
+    readiness and the orchestrator's routing stop sending new work; the
+    servicer refuses new sessions), then waits until ``in_flight()`` is 0 or
+    ``timeout_s`` passed. The caller then stops the server with a grace."""
+    await handle.set_serving(False)
+    started = time.monotonic()
+    left = in_flight()
+    log(logger, logging.INFO, "draining", service=service, in_flight=left, timeout_s=timeout_s)
+    while left and time.monotonic() - started < timeout_s:
+        await asyncio.sleep(0.1)
+        left = in_flight()
+    log(logger, logging.INFO if not left else logging.WARNING, "drained" if not left else "drain timed out",
+        service=service, in_flight=left, waited_s=round(time.monotonic() - started, 3))
