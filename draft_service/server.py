@@ -388,6 +388,7 @@ async def start(config: DraftServiceConfig) -> DraftServer:
         config.host,
         config.port,
         config.max_message_bytes,
+        health_port=config.health_port,
     )
     log(logger, logging.INFO, "draft service listening (loading drafters)", port=handle.port)
     drafters: dict[str, LoadedDrafter] = {}

@@ -45,6 +45,7 @@ class OrchestratorConfig:
     max_message_bytes: int = 8 * 1024 * 1024
     metrics_port: int = 0  # Prometheus /metrics HTTP port; 0 = off (`specdec up` uses 9464)
     metrics_host: str = "127.0.0.1"
+    health_port: int = 0  # plaintext port serving only grpc.health.v1 (kubelet probes when TLS is on); 0 = off
     adaptive_gamma_max: int = 16  # largest γ the adaptive policy considers (AUTO); ≤ max_num_draft_tokens
     min_confidence: float = 0.0  # default draft confidence early stop for AUTO (0 = off)
     routing: RoutingConfig = field(default_factory=RoutingConfig)

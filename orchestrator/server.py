@@ -450,6 +450,7 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
         config.host,
         config.port,
         config.max_message_bytes,
+        health_port=config.health_port,
     )
     log(logger, logging.INFO, "orchestrator listening (waiting for services)", port=handle.port)
     try:

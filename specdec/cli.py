@@ -24,6 +24,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $SPECDEC_CACHE_DIR or ~/.cache/specdec)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--metrics-host", default="127.0.0.1", help="bind address of the Prometheus /metrics endpoint")
+    p.add_argument("--health-port", type=int, default=0,
+                   help="also serve grpc.health.v1 alone, in plaintext, on this port (Kubernetes gRPC probes "
+                        "when the service port uses TLS); 0 = off")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds to keep serving open sessions/streams (health NOT_SERVING, "
                         "new ones refused) before stopping")
@@ -87,7 +90,7 @@ def target_config(a: argparse.Namespace, port: int) -> Any:
     return TargetServiceConfig(
         model=a.target_model, host=a.host, port=port, dtype=a.target_dtype, device=a.target_device,
         threads=a.target_threads, cache_dir=a.cache_dir, kv_budget_tokens=a.target_kv_budget,
-        metrics_port=a.metrics_port, metrics_host=a.metrics_host,
+        metrics_port=a.metrics_port, metrics_host=a.metrics_host, health_port=a.health_port,
     )
 
 
@@ -117,6 +120,7 @@ def draft_config(a: argparse.Namespace, port: int) -> Any:
         target_tokenizer=getattr(a, "target_tokenizer", None) or DEFAULT_TARGET,
         intra_op_threads=a.draft_threads, execution=a.draft_execution, cache_dir=a.cache_dir,
         allow_spinning=a.draft_spin == "on", metrics_port=a.metrics_port, metrics_host=a.metrics_host,
+        health_port=a.health_port,
     )
 
 
@@ -136,7 +140,7 @@ def orchestrator_config(a: argparse.Namespace, port: int) -> Any:
         target_addresses=targets, draft_addresses=drafts, tokenizer=a.target_model,
         host=a.host, port=port, cache_dir=a.cache_dir, default_num_draft_tokens=a.num_draft_tokens,
         default_max_new_tokens=a.default_max_new_tokens, metrics_port=a.metrics_port,
-        metrics_host=a.metrics_host, min_confidence=a.min_confidence,
+        metrics_host=a.metrics_host, min_confidence=a.min_confidence, health_port=a.health_port,
         routing=RoutingConfig(discovery_interval_s=a.discovery_interval, backoff_s=a.replica_backoff,
                               target_load_factor=a.target_load_factor),
     )

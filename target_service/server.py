@@ -236,6 +236,7 @@ async def start(config: TargetServiceConfig) -> TargetServer:
         config.host,
         config.port,
         config.max_message_bytes,
+        health_port=config.health_port,
     )
     log(logger, logging.INFO, "target service listening (loading model)", port=handle.port)
     try:

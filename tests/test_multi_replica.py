@@ -146,6 +146,31 @@ def created(metrics: dict[Any, float], address: str) -> float:
     return metrics.get(("specdec_orchestrator_target_sessions_created_total", (("replica", address),)), 0.0)
 
 
+def test_health_port_serves_only_health_in_plaintext() -> None:
+    """The plaintext probe port mirrors the service's health and exposes nothing else."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from specdec.grpc_util import start_server
+    from specdec.v1 import common_pb2, target_pb2_grpc
+
+    loop = LoopThread()
+    handle = loop.run(start_server(lambda server: None, ["specdec.v1.Target"], "127.0.0.1", 0, health_port=free_port()))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{handle.health_port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            assert stub.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            loop.run(handle.set_serving(True))
+            for name in ("", "specdec.v1.Target"):
+                r = stub.Check(health_pb2.HealthCheckRequest(service=name))
+                assert r.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as e:
+                target_pb2_grpc.TargetStub(ch).GetModelInfo(common_pb2.ModelInfoRequest())
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        loop.run(handle.stop(0))
+        loop.close()
+
+
 def test_each_request_creates_one_session_on_one_target_replica(cluster: Cluster) -> None:
     """Nothing fails: each request's prefill and every verify go to one
     replica (a verify anywhere else would be NOT_FOUND and show as a rebuild
