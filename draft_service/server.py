@@ -75,6 +75,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self._drafters: dict[str, LoadedDrafter] = {}
         self.proposals: collections.Counter[str] = collections.Counter()  # Propose calls per drafter
         self.metrics = ModelServiceMetrics.create("draft")
+        self.metrics.queue_depth.set_function(lambda: self.worker.pending)  # live at every scrape (HPA input)
         self.draining = False  # set on SIGTERM: no new sessions, existing ones are served
 
     def attach(self, drafters: dict[str, LoadedDrafter]) -> None:

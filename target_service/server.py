@@ -42,6 +42,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
     def __init__(self, worker: ModelWorker) -> None:
         self.worker = worker
         self.metrics = ModelServiceMetrics.create("target")
+        self.metrics.queue_depth.set_function(lambda: self.worker.pending)  # live at every scrape (HPA input)
         self._engine: TargetEngine | None = None
         self.fingerprint = ""
         self._evictions_seen = 0
