@@ -22,7 +22,16 @@ import grpc
 import pytest
 
 from orchestrator.config import OrchestratorConfig, RoutingConfig
-from tests.stack import LoopThread, ServiceProcess, Stack, free_port, make_request, scrape_metrics, start_service_process
+from tests.stack import (
+    LoopThread,
+    ServiceProcess,
+    Stack,
+    free_port,
+    make_request,
+    scrape_metrics,
+    start_service_process,
+    start_stack,
+)
 
 N_REQUESTS = 12
 MAX_NEW = 120
@@ -169,6 +178,38 @@ def test_health_port_serves_only_health_in_plaintext() -> None:
     finally:
         loop.run(handle.stop(0))
         loop.close()
+
+
+def test_orchestrator_drain_finishes_streams_and_refuses_new_ones(tiny_models, onnx_cache_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """Step one of the orchestrator's SIGTERM handling: health NOT_SERVING and
+    new streams UNAVAILABLE at once, the running stream completes, then the
+    drain returns."""
+    import asyncio
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    st = start_stack(tiny_models.target, tiny_models.draft, onnx_cache_dir)
+    try:
+        off = st.generate(prompt="drain me", mode="off", max_new_tokens=240)
+        stream = st.orch_stub().Generate(make_request(prompt="drain me", max_new_tokens=240), timeout=120)
+        chunks = [next(stream)]
+        drained = asyncio.run_coroutine_threadsafe(st.orchestrator.drain(60), st.loop.loop)
+        health = health_pb2_grpc.HealthStub(st.channel())
+        deadline = time.monotonic() + 10
+        while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not drained.done()  # 239 tokens to go
+        with pytest.raises(grpc.RpcError) as e:
+            st.generate(prompt="new", max_new_tokens=2)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        chunks += list(stream)
+        assert [t for c in chunks for t in c.token_ids] == off["token_ids"]
+        drained.result(timeout=30)
+        assert st.orchestrator.servicer.active == 0
+        st.wait_no_sessions()
+    finally:
+        st.close()
 
 
 def test_each_request_creates_one_session_on_one_target_replica(cluster: Cluster) -> None:
