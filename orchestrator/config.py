@@ -17,7 +17,9 @@ class RoutingConfig:
     backoff_s: float = 2.0  # a replica that failed a call gets no new sessions this long (doubling)
     max_backoff_s: float = 30.0
     target_load_factor: float = 1.25  # bounded-load hashing: a replica takes ≤ c × the mean sessions
-    close_removed_after_s: float = 60.0  # a replica gone from discovery: channel closed once idle or after this
+    # a replica gone from discovery: its channel is closed once its sessions
+    # ended (they fail over if it dies), or after this as a safety net
+    close_removed_after_s: float = 600.0
 
 
 @dataclass

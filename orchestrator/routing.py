@@ -11,14 +11,16 @@ with fakes.
   every ``discovery_interval_s``: for tests and for a sidecar that writes
   endpoints). Addresses that appear get a channel; addresses that disappear
   stop getting new sessions, and their channel is closed once the sessions
-  on it ended (or after ``close_removed_after_s``). A failed lookup keeps the
-  previous addresses of that entry.
+  on it ended (they fail over if the replica dies; ``close_removed_after_s``
+  is a safety net). A failed lookup keeps the previous addresses of that
+  entry.
 - **Health.** Every ``health_interval_s`` each replica gets a
   ``grpc.health.v1`` Check: new sessions go to SERVING replicas first (so a
   pod still loading its model, or draining, gets none). A call that fails
   with UNAVAILABLE (or a dead connection) puts the replica in backoff
-  (``backoff_s``, doubling to ``max_backoff_s``). Replicas not available are
-  still tried last, so one lagging health check never fails a request.
+  (``backoff_s``, doubling to ``max_backoff_s``); a call that succeeds ends
+  it. Replicas not available are still tried last, so one lagging health
+  check never fails a request.
 - **Targets** (KV cache per session) are chosen per request key by
   rendezvous hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam
   2018): the first replica in the key's rendezvous order that holds fewer
@@ -346,7 +348,7 @@ class ReplicaPool(Generic[C]):
             raise
         finally:
             r.in_flight -= 1
-        r.failures = 0
+        r.failures, r.down_until = 0, 0.0  # it answered: no backoff (health checks still gate new sessions)
         return result
 
     def _split(self) -> tuple[list[Replica[C]], list[Replica[C]]]:

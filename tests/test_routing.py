@@ -313,3 +313,23 @@ def test_discovery_refresh_from_a_file_and_dns(tmp_path: Path) -> None:
         assert all(e.closed for e in cl.endpoints.values())
 
     run(go())
+
+
+def test_cli_builds_the_routing_config() -> None:
+    from specdec.cli import build_parser, orchestrator_config
+
+    def config(*flags: str) -> Any:
+        a = build_parser().parse_args(["serve", "orchestrator", *flags])
+        a.target_model = "tiny"  # as cmd_serve sets it
+        return orchestrator_config(a, 50051)
+
+    cfg = config("--target-address", "t1:50053, dns:///specdec-target-headless:50053", "--draft-address", "",
+                 "--discovery-interval", "1.5", "--target-load-factor", "2")
+    assert cfg.target_addresses == ["t1:50053", "dns:///specdec-target-headless:50053"]
+    assert cfg.draft_addresses == []  # target-only
+    assert (cfg.routing.discovery_interval_s, cfg.routing.target_load_factor) == (1.5, 2.0)
+    assert config().target_addresses == ["127.0.0.1:50053"]  # `specdec up` and the defaults: one each
+    for bad in (["--target-address", "no-port"], ["--target-address", ""], ["--draft-address", "grpc://d:1"],
+                ["--target-load-factor", "0.5"]):
+        with pytest.raises(SystemExit, match="specdec:"):
+            config(*bad)
