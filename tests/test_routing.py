@@ -333,3 +333,13 @@ def test_cli_builds_the_routing_config() -> None:
                 ["--target-load-factor", "0.5"]):
         with pytest.raises(SystemExit, match="specdec:"):
             config(*bad)
+
+
+def test_dns_entries_resolve_through_getaddrinfo() -> None:
+    """The real resolver (a headless Service name resolves the same way, one record per pod)."""
+    from orchestrator.routing import resolve_dns
+
+    addrs = resolve_dns("localhost", 50053)
+    assert addrs and set(addrs) <= {"127.0.0.1:50053", "[::1]:50053"}
+    with pytest.raises(OSError):
+        resolve_dns("no-such-host.invalid", 1)
