@@ -57,6 +57,7 @@ class DraftServiceConfig:
     warmup: bool = True
     metrics_port: int = 0  # Prometheus /metrics HTTP port; 0 = off
     metrics_host: str = "127.0.0.1"
+    health_port: int = 0  # plaintext port serving only grpc.health.v1 (kubelet probes when TLS is on); 0 = off
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir is not None:

@@ -23,7 +23,7 @@ from draft_service.config import DrafterSpec, DraftServiceConfig
 from draft_service.drafter import Drafter, OnnxDrafter
 from draft_service.sessions import ProposeResult, SessionStore
 from specdec.errors import InvalidArgument, Unavailable
-from specdec.grpc_util import ModelWorker, ServerHandle, WorkTiming, start_server, translate_errors
+from specdec.grpc_util import ModelWorker, ServerHandle, WorkTiming, drain, start_server, translate_errors
 from specdec.logging_util import log
 from specdec.metrics import ModelServiceMetrics, serve_metrics
 from specdec.sampling import SamplingConfig
@@ -75,6 +75,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self._drafters: dict[str, LoadedDrafter] = {}
         self.proposals: collections.Counter[str] = collections.Counter()  # Propose calls per drafter
         self.metrics = ModelServiceMetrics.create("draft")
+        self.metrics.queue_depth.set_function(lambda: self.worker.pending)  # live at every scrape (HPA input)
+        self.draining = False  # set on SIGTERM: no new sessions, existing ones are served
 
     def attach(self, drafters: dict[str, LoadedDrafter]) -> None:
         self._drafters = drafters
@@ -110,6 +112,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     ) -> draft_pb2.CreateDraftSessionResponse:
         cfg = SamplingConfig.from_proto(request.sampling if request.HasField("sampling") else None)
         d = self._get(request.drafter)
+        if self.draining:
+            raise Unavailable("the draft replica is shutting down; create the session on another replica")
         session = self.sessions.create(d.drafter, cfg)
         return draft_pb2.CreateDraftSessionResponse(session_id=session.id, drafter=d.drafter.name)
 
@@ -172,6 +176,13 @@ class DraftServer:
     @property
     def port(self) -> int:
         return self.handle.port
+
+    async def drain(self, timeout_s: float) -> None:
+        """Graceful shutdown, step one: new sessions are refused, the open ones
+        are served until released (up to ``timeout_s``)."""
+        if self.servicer is not None:
+            self.servicer.draining = True
+        await drain(self.handle, lambda: len(self.sessions), timeout_s, "draft")
 
     async def stop(self, grace: float | None = 5.0) -> None:
         self.reaper.cancel()
@@ -378,6 +389,7 @@ async def start(config: DraftServiceConfig) -> DraftServer:
         config.host,
         config.port,
         config.max_message_bytes,
+        health_port=config.health_port,
     )
     log(logger, logging.INFO, "draft service listening (loading drafters)", port=handle.port)
     drafters: dict[str, LoadedDrafter] = {}

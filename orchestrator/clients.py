@@ -129,3 +129,23 @@ class GrpcDraftClient(_GrpcClient):
         ]
         return ProposeReply(list(r.token_ids), q, r.committed_len, r.timings.compute_ms, list(r.confidence))
 
+
+
+class GrpcEndpoint:
+    """One replica for ``orchestrator.routing``: its channel, client and health check."""
+
+    def __init__(self, channel: grpc.aio.Channel, client: Any) -> None:
+        self.channel = channel
+        self.client = client
+
+    async def check(self, timeout: float) -> bool:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            r = await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
+
+    async def close(self) -> None:
+        await self.channel.close()

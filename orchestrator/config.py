@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
 @dataclass
+class RoutingConfig:
+    """How the orchestrator spreads sessions over target and draft replicas
+    (see orchestrator/routing.py and docs/deploy.md)."""
+
+    discovery_interval_s: float = 5.0  # re-resolve dns:/// and file:// entries this often
+    health_interval_s: float = 2.0  # grpc.health.v1 Check of every replica this often
+    health_timeout_s: float = 1.0
+    backoff_s: float = 2.0  # a replica that failed a call gets no new sessions this long (doubling)
+    max_backoff_s: float = 30.0
+    target_load_factor: float = 1.25  # bounded-load hashing: a replica takes ≤ c × the mean sessions
+    # a replica gone from discovery: its channel is closed once its sessions
+    # ended (they fail over if it dies), or after this as a safety net
+    close_removed_after_s: float = 600.0
+
+
+@dataclass
 class OrchestratorConfig:
-    target_address: str = "127.0.0.1:50053"
-    draft_address: str = "127.0.0.1:50052"  # "" = no draft service (target-only)
+    # host:port, dns:///name:port (re-resolved: a headless Service) or
+    # file:///path (one address per line, re-read); see orchestrator/routing.py
+    target_addresses: list[str] = field(default_factory=lambda: ["127.0.0.1:50053"])
+    draft_addresses: list[str] = field(default_factory=lambda: ["127.0.0.1:50052"])  # [] = no draft (target-only)
     tokenizer: str = "qwen2.5-coder-1.5b-instruct"  # model spec whose tokenizer is used
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = pick a free port
@@ -29,5 +47,7 @@ class OrchestratorConfig:
     max_message_bytes: int = 8 * 1024 * 1024
     metrics_port: int = 0  # Prometheus /metrics HTTP port; 0 = off (`specdec up` uses 9464)
     metrics_host: str = "127.0.0.1"
+    health_port: int = 0  # plaintext port serving only grpc.health.v1 (kubelet probes when TLS is on); 0 = off
     adaptive_gamma_max: int = 16  # largest γ the adaptive policy considers (AUTO); ≤ max_num_draft_tokens
     min_confidence: float = 0.0  # default draft confidence early stop for AUTO (0 = off)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)

@@ -26,6 +26,7 @@ from specdec.sampling import SamplingConfig
 logger = logging.getLogger("specdec.orchestrator")
 
 SparseQ = tuple[np.ndarray, np.ndarray]
+MAX_REBUILDS_PER_ROUND = 2  # target session rebuilds (another replica each) before a round gives up
 
 
 # ----------------------------------------------------------------- protocols
@@ -322,7 +323,10 @@ class Decoder:
             yield Step(new, verified.logit_gaps)
 
     async def _verify(self, draft_ids: list[int], q: list[SparseQ]) -> VerifyReply:
-        for attempt in range(2):
+        # NOT_FOUND: the replica lost the session; UNAVAILABLE: the replica is
+        # gone or draining. Either way the session is rebuilt from the tokens,
+        # on another replica when the client routes over several.
+        for attempt in range(MAX_REBUILDS_PER_ROUND + 1):
             assert self.target_sid is not None
             try:
                 reply = await self.target.verify(
@@ -333,9 +337,9 @@ class Decoder:
                     q,
                     self._timeout(self.p.target_timeout_s),
                 )
-            except NotFound:
-                if attempt == 1:
-                    raise Unavailable("target session lost twice in one round")
+            except (NotFound, Unavailable) as e:
+                if attempt == MAX_REBUILDS_PER_ROUND:
+                    raise Unavailable(f"target session lost {attempt + 1} times in one round: {e.message}") from None
                 await self._rebuild_target()
                 continue
             self.target_cache_len = reply.cache_len

@@ -6,19 +6,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 import grpc
 
-from orchestrator.clients import GrpcDraftClient, GrpcTargetClient, make_channel
+from orchestrator.clients import GrpcDraftClient, GrpcEndpoint, GrpcTargetClient, make_channel
 from orchestrator.config import OrchestratorConfig
 from orchestrator.decode import DecodeParams, Decoder, RequestStats
 from orchestrator.detokenizer import IncrementalDetokenizer, StopMatcher
 from orchestrator.policy import AdaptiveConfig, PolicyFactory, RoundObservation
+from orchestrator.routing import Replica, ReplicaPool, RoutedDraft, RoutedTarget, Router
 from specdec.errors import InvalidArgument, SpecdecError, Unavailable
-from specdec.grpc_util import ServerHandle, start_server
+from specdec.grpc_util import ServerHandle, drain, start_server
 from specdec.logging_util import log
 from specdec.metrics import OrchestratorMetrics, serve_metrics
 from specdec.sampling import SamplingConfig
@@ -68,6 +70,38 @@ class MetricsSink:
         self.m.target_rebuilds.inc()
 
 
+class RoutingMetrics:
+    """Routing events → per-replica Prometheus series (removed with the replica)."""
+
+    def __init__(self, m: OrchestratorMetrics) -> None:
+        self.m = m
+
+    def _created(self, service: str) -> Any:
+        return self.m.target_sessions_created if service == "target" else self.m.draft_sessions_created
+
+    def replica_added(self, service: str, replica: Replica[Any]) -> None:
+        self.m.upstream_sessions.labels(service, replica.address).set_function(lambda: replica.sessions)
+        self._created(service).labels(replica.address)
+
+    def replica_removed(self, service: str, address: str) -> None:
+        for metric, labels in ((self.m.upstream_sessions, (service, address)), (self._created(service), (address,)),
+                               (self.m.upstream_failures, (service, address))):
+            try:
+                metric.remove(*labels)
+            except KeyError:
+                pass
+
+    def replicas_changed(self, service: str, available: int, unavailable: int) -> None:
+        self.m.upstream_replicas.labels(service, "available").set(available)
+        self.m.upstream_replicas.labels(service, "unavailable").set(unavailable)
+
+    def session_created(self, service: str, address: str) -> None:
+        self._created(service).labels(address).inc()
+
+    def replica_failed(self, service: str, address: str, error: str) -> None:
+        self.m.upstream_failures.labels(service, address).inc()
+
+
 @dataclass
 class ModelLimits:
     vocab_size: int
@@ -80,9 +114,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self,
         config: OrchestratorConfig,
         tokenizer: Any,
-        target: GrpcTargetClient,
-        draft: GrpcDraftClient | None,
+        target: Router[GrpcTargetClient],
+        draft: Router[GrpcDraftClient] | None,
         limits: ModelLimits,
+        metrics: OrchestratorMetrics | None = None,
     ) -> None:
         self.cfg = config
         self.tokenizer = tokenizer
@@ -90,7 +125,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.draft = draft
         self.limits = limits
         self.active = 0
-        self.metrics = OrchestratorMetrics.create()
+        self.draining = False  # set on SIGTERM: new streams get UNAVAILABLE, running ones finish
+        self.metrics = metrics or OrchestratorMetrics.create()
         self.policies = PolicyFactory(
             default_gamma=config.default_num_draft_tokens,
             gamma_max=config.max_num_draft_tokens,
@@ -184,6 +220,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the orchestrator is shutting down; retry")
         if self.active >= self.cfg.max_concurrent_streams:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -197,7 +235,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             deadline = time.monotonic() + remaining if remaining is not None else None
             prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
             params = self._params(request, prompt_ids, deadline)
-            decoder = Decoder(self.target, self.draft, params)
+            key = uuid.uuid4().hex  # the session-affinity key of this request's target session
+            decoder = Decoder(self.target.bind(key), self.draft.bind(key) if self.draft else None, params)
             async for chunk in self._stream(decoder, request):
                 yield chunk
         except SpecdecError as e:
@@ -304,19 +343,25 @@ def stats_proto(s: RequestStats, generated: int) -> pb.GenerationStats:
 class OrchestratorServer:
     handle: ServerHandle
     servicer: OrchestratorServicer
-    channels: list[grpc.aio.Channel]
+    routers: list[Router[Any]]
     tasks: list[asyncio.Task[None]]
 
     @property
     def port(self) -> int:
         return self.handle.port
 
+    async def drain(self, timeout_s: float) -> None:
+        """Graceful shutdown, step one: health NOT_SERVING, new streams refused,
+        running streams finish (up to ``timeout_s``)."""
+        self.servicer.draining = True
+        await drain(self.handle, lambda: self.servicer.active, timeout_s, "orchestrator")
+
     async def stop(self, grace: float | None = 5.0) -> None:
         for t in self.tasks:
             t.cancel()
         await self.handle.stop(grace)
-        for ch in self.channels:
-            await ch.close()
+        for r in self.routers:
+            await r.close()
 
 
 def load_tokenizer(spec: str, cache_dir: Path | None) -> Any:
@@ -341,7 +386,7 @@ async def _wait_info(client: Any, name: str, timeout_s: float) -> Any:
 
 
 async def _attach_draft(
-    servicer: OrchestratorServicer, draft: GrpcDraftClient, target_info: Any, timeout_s: float
+    servicer: OrchestratorServicer, draft: Router[GrpcDraftClient], target_info: Any, timeout_s: float
 ) -> None:
     """Enables speculation once the draft service answers with a compatible
     tokenizer; until then requests run target-only."""
@@ -365,14 +410,30 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
     """Starts the public API; health turns SERVING once the tokenizer is loaded
     and the target answers. A draft that is absent or has another tokenizer
     leaves the service running target-only (logged)."""
-    target_ch = make_channel(config.target_address, config.max_message_bytes)
-    channels = [target_ch]
-    target = GrpcTargetClient(target_ch)
-    draft: GrpcDraftClient | None = None
-    if config.draft_address:
-        draft_ch = make_channel(config.draft_address, config.max_message_bytes)
-        channels.append(draft_ch)
-        draft = GrpcDraftClient(draft_ch)
+    metrics = OrchestratorMetrics.create()
+    events = RoutingMetrics(metrics)
+
+    def endpoint(client_cls: Any) -> Any:
+        def connect(address: str) -> GrpcEndpoint:
+            ch = make_channel(address, config.max_message_bytes)
+            return GrpcEndpoint(ch, client_cls(ch))
+
+        return connect
+
+    target: Router[GrpcTargetClient] = Router(
+        ReplicaPool("target", list(config.target_addresses), endpoint(GrpcTargetClient), config.routing, events),
+        RoutedTarget,
+    )
+    routers: list[Router[Any]] = [target]
+    draft: Router[GrpcDraftClient] | None = None
+    if config.draft_addresses:
+        draft = Router(
+            ReplicaPool("draft", list(config.draft_addresses), endpoint(GrpcDraftClient), config.routing, events),
+            RoutedDraft,
+        )
+        routers.append(draft)
+    for r in routers:
+        await r.start()
     holder: dict[str, OrchestratorServicer] = {}
 
     class _Servicer(orchestrator_pb2_grpc.OrchestratorServicer):
@@ -389,6 +450,7 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
         config.host,
         config.port,
         config.max_message_bytes,
+        health_port=config.health_port,
     )
     log(logger, logging.INFO, "orchestrator listening (waiting for services)", port=handle.port)
     try:
@@ -401,9 +463,11 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
             raise RuntimeError("the orchestrator's tokenizer differs from the target model's tokenizer")
     except BaseException:
         await handle.stop(0)
+        for r in routers:
+            await r.close()
         raise
     limits = ModelLimits(info.vocab_size, frozenset(info.eos_token_ids), info.max_context_tokens)
-    servicer = OrchestratorServicer(config, tokenizer, target, None, limits)
+    servicer = OrchestratorServicer(config, tokenizer, target, None, limits, metrics)
     servicer.metrics_port = serve_metrics(servicer.metrics.registry, config.metrics_port, config.metrics_host)
     holder["s"] = servicer
     tasks = []
@@ -411,4 +475,4 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
         tasks.append(asyncio.create_task(_attach_draft(servicer, draft, info, ready_timeout_s)))
     await handle.set_serving(True)
     log(logger, logging.INFO, "orchestrator ready", port=handle.port, target=info.model_name)
-    return OrchestratorServer(handle, servicer, channels, tasks)
+    return OrchestratorServer(handle, servicer, routers, tasks)

@@ -5,4 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/check_protos.sh
+bash scripts/check_docker.sh
+bash scripts/check_k8s.sh
 .venv/bin/python -m pytest -q -rs "$@"

@@ -24,6 +24,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $SPECDEC_CACHE_DIR or ~/.cache/specdec)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--metrics-host", default="127.0.0.1", help="bind address of the Prometheus /metrics endpoint")
+    p.add_argument("--health-port", type=int, default=0,
+                   help="also serve grpc.health.v1 alone, in plaintext, on this port (Kubernetes gRPC probes "
+                        "when the service port uses TLS); 0 = off")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds to keep serving open sessions/streams (health NOT_SERVING, "
+                        "new ones refused) before stopping")
 
 
 def _add_target_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
@@ -84,7 +90,7 @@ def target_config(a: argparse.Namespace, port: int) -> Any:
     return TargetServiceConfig(
         model=a.target_model, host=a.host, port=port, dtype=a.target_dtype, device=a.target_device,
         threads=a.target_threads, cache_dir=a.cache_dir, kv_budget_tokens=a.target_kv_budget,
-        metrics_port=a.metrics_port, metrics_host=a.metrics_host,
+        metrics_port=a.metrics_port, metrics_host=a.metrics_host, health_port=a.health_port,
     )
 
 
@@ -114,28 +120,43 @@ def draft_config(a: argparse.Namespace, port: int) -> Any:
         target_tokenizer=getattr(a, "target_tokenizer", None) or DEFAULT_TARGET,
         intra_op_threads=a.draft_threads, execution=a.draft_execution, cache_dir=a.cache_dir,
         allow_spinning=a.draft_spin == "on", metrics_port=a.metrics_port, metrics_host=a.metrics_host,
+        health_port=a.health_port,
     )
 
 
 def orchestrator_config(a: argparse.Namespace, port: int) -> Any:
-    from orchestrator.config import OrchestratorConfig
+    from orchestrator.config import OrchestratorConfig, RoutingConfig
+    from orchestrator.routing import parse_addresses
 
+    try:
+        targets, drafts = parse_addresses(a.target_address), parse_addresses(a.draft_address)
+    except ValueError as e:
+        raise SystemExit(f"specdec: --target-address/--draft-address: {e}") from None
+    if not targets:
+        raise SystemExit("specdec: --target-address: at least one target is required")
+    if a.target_load_factor < 1.0:
+        raise SystemExit("specdec: --target-load-factor must be at least 1")
     return OrchestratorConfig(
-        target_address=a.target_address, draft_address=a.draft_address, tokenizer=a.target_model,
+        target_addresses=targets, draft_addresses=drafts, tokenizer=a.target_model,
         host=a.host, port=port, cache_dir=a.cache_dir, default_num_draft_tokens=a.num_draft_tokens,
         default_max_new_tokens=a.default_max_new_tokens, metrics_port=a.metrics_port,
-        metrics_host=a.metrics_host, min_confidence=a.min_confidence,
+        metrics_host=a.metrics_host, min_confidence=a.min_confidence, health_port=a.health_port,
+        routing=RoutingConfig(discovery_interval_s=a.discovery_interval, backoff_s=a.replica_backoff,
+                              target_load_factor=a.target_load_factor),
     )
 
 
-async def _serve_forever(start: Any, config: Any) -> None:
+async def _serve_forever(start: Any, config: Any, drain_timeout_s: float) -> None:
     server = await start(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    # Health goes NOT_SERVING first, then in-flight calls get a grace period.
+    # Health goes NOT_SERVING first and new sessions/streams are refused; open
+    # ones are served until they end (up to --drain-timeout); then in-flight
+    # calls get a grace period.
+    await server.drain(drain_timeout_s)
     await server.stop(grace=10.0)
 
 
@@ -159,7 +180,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         from orchestrator.server import start  # type: ignore[no-redef]
 
         config = orchestrator_config(a, port)
-    asyncio.run(_serve_forever(start, config))
+    asyncio.run(_serve_forever(start, config, a.drain_timeout))
     return 0
 
 
@@ -190,7 +211,7 @@ def cmd_up(a: argparse.Namespace) -> int:
 
     cache = str(a.cache_dir or default_cache_dir())
     base = [sys.executable, "-m", "specdec.cli", "serve"]
-    common = ["--host", a.host, "--cache-dir", cache, "--log-level", a.log_level]
+    common = ["--host", a.host, "--cache-dir", cache, "--log-level", a.log_level, "--drain-timeout", str(a.drain_timeout)]
     tport, dport, oport = a.target_port, a.draft_port, a.port
     cmds = {
         "target": base + ["target", "--port", str(tport), "--model", a.target_model, "--dtype", a.target_dtype,
@@ -266,7 +287,7 @@ def cmd_up(a: argparse.Namespace) -> int:
                 p.send_signal(signal.SIGTERM)
         for p in procs.values():
             try:
-                p.wait(timeout=20)
+                p.wait(timeout=a.drain_timeout + 20)
             except subprocess.TimeoutExpired:
                 p.kill()
 
@@ -400,8 +421,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"draft: the target's tokenizer (model spec) that {TLI_DRAFTER} and {PROMPT_LOOKUP_DRAFTER} "
                         f"propose in (default {DEFAULT_TARGET})")
     o = serve.add_argument_group("orchestrator")
-    o.add_argument("--target-address", default=f"127.0.0.1:{DEFAULT_PORTS['target']}")
-    o.add_argument("--draft-address", default=f"127.0.0.1:{DEFAULT_PORTS['draft']}", help="'' = no draft")
+    o.add_argument("--target-address", default=f"127.0.0.1:{DEFAULT_PORTS['target']}",
+                   help="comma-separated target replicas: host:port, dns:///name:port (re-resolved; a headless "
+                        "Service), file:///path (one host:port per line, re-read)")
+    o.add_argument("--draft-address", default=f"127.0.0.1:{DEFAULT_PORTS['draft']}",
+                   help="comma-separated draft replicas (same forms as --target-address); '' = no draft")
+    o.add_argument("--discovery-interval", type=float, default=5.0,
+                   help="seconds between re-resolutions of dns:/// and file:// addresses")
+    o.add_argument("--replica-backoff", type=float, default=2.0,
+                   help="seconds a replica that failed a call gets no new sessions (doubles per failure, max 30)")
+    o.add_argument("--target-load-factor", type=float, default=1.25,
+                   help="bounded-load hashing: a target replica takes at most this × the mean sessions")
     o.add_argument("--num-draft-tokens", type=int, default=4)
     o.add_argument("--default-max-new-tokens", type=int, default=256)
     o.add_argument("--min-confidence", type=float, default=0.0,

@@ -68,10 +68,14 @@ class ServerHandle:
             await self.health.set(name, status)
 
     service_names: Sequence[str] = ()
+    health_server: grpc.aio.Server | None = None  # the plaintext health-only port, if any
+    health_port: int = 0
 
     async def stop(self, grace: float | None = 5.0) -> None:
         await self.set_serving(False)
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
 
 async def start_server(
@@ -80,9 +84,12 @@ async def start_server(
     host: str,
     port: int,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    health_port: int = 0,
 ) -> ServerHandle:
     """Builds and starts a ``grpc.aio`` server with health (NOT_SERVING until
-    the caller flips it) and reflection. ``port=0`` picks a free port."""
+    the caller flips it) and reflection. ``port=0`` picks a free port.
+    ``health_port`` > 0 also serves the same health status, and nothing else,
+    in plaintext on that port: Kubernetes' native gRPC probes cannot speak TLS."""
     server = grpc.aio.server(options=server_options(max_message_bytes))
     register(server)
     health_servicer = health.aio.HealthServicer()
@@ -98,6 +105,15 @@ async def start_server(
     await server.start()
     handle = ServerHandle(server=server, port=bound, health=health_servicer)
     handle.service_names = list(service_full_names)
+    if health_port > 0:
+        hs = grpc.aio.server(options=server_options())
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, hs)
+        handle.health_port = hs.add_insecure_port(f"{host}:{health_port}")
+        if handle.health_port == 0:
+            await server.stop(0)
+            raise RuntimeError(f"could not bind the health port {host}:{health_port}")
+        await hs.start()
+        handle.health_server = hs
     await handle.set_serving(False)
     return handle
 
@@ -171,3 +187,19 @@ class ModelWorker:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def drain(handle: ServerHandle, in_flight: Callable[[], int], timeout_s: float, service: str) -> None:
+    """Graceful shutdown, step one: health goes NOT_SERVING (Kubernetes
+    readiness and the orchestrator's routing stop sending new work; the
+    servicer refuses new sessions), then waits until ``in_flight()`` is 0 or
+    ``timeout_s`` passed. The caller then stops the server with a grace."""
+    await handle.set_serving(False)
+    started = time.monotonic()
+    left = in_flight()
+    log(logger, logging.INFO, "draining", service=service, in_flight=left, timeout_s=timeout_s)
+    while left and time.monotonic() - started < timeout_s:
+        await asyncio.sleep(0.1)
+        left = in_flight()
+    log(logger, logging.INFO if not left else logging.WARNING, "drained" if not left else "drain timed out",
+        service=service, in_flight=left, waited_s=round(time.monotonic() - started, 3))

@@ -53,6 +53,11 @@ class OrchestratorMetrics:
     round_trip_time: Histogram
     ttft: Histogram
     active_streams: Gauge
+    target_sessions_created: Counter
+    draft_sessions_created: Counter
+    upstream_failures: Counter
+    upstream_sessions: Gauge
+    upstream_replicas: Gauge
 
     @classmethod
     def create(cls) -> "OrchestratorMetrics":
@@ -74,6 +79,11 @@ class OrchestratorMetrics:
             round_trip_time=Histogram("specdec_round_trip_seconds", "RPC wall time minus server compute (network, queueing, serialization), per call.", ["service"], buckets=_BUCKETS, registry=r),
             ttft=Histogram("specdec_time_to_first_token_seconds", "Time to first token.", buckets=_BUCKETS, registry=r),
             active_streams=Gauge("specdec_active_streams", "Generate streams in progress.", registry=r),
+            target_sessions_created=Counter("specdec_orchestrator_target_sessions_created", "Target sessions (prefills, rebuilds included) created, by replica.", ["replica"], registry=r),
+            draft_sessions_created=Counter("specdec_orchestrator_draft_sessions_created", "Draft sessions created, by replica.", ["replica"], registry=r),
+            upstream_failures=Counter("specdec_orchestrator_upstream_failures", "Calls that failed with UNAVAILABLE or a dead connection (the replica is backed off).", ["service", "replica"], registry=r),
+            upstream_sessions=Gauge("specdec_orchestrator_upstream_sessions", "Sessions this orchestrator holds, by replica.", ["service", "replica"], registry=r),
+            upstream_replicas=Gauge("specdec_orchestrator_upstream_replicas", "Known replicas by state (available = SERVING and not backed off).", ["service", "state"], registry=r),
         )
 
 

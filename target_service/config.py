@@ -27,3 +27,4 @@ class TargetServiceConfig:
     warmup: bool = True
     metrics_port: int = 0  # Prometheus /metrics HTTP port; 0 = off
     metrics_host: str = "127.0.0.1"
+    health_port: int = 0  # plaintext port serving only grpc.health.v1 (kubelet probes when TLS is on); 0 = off

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 
 from specdec.errors import InvalidArgument, Unavailable
-from specdec.grpc_util import ModelWorker, ServerHandle, start_server, translate_errors
+from specdec.grpc_util import ModelWorker, ServerHandle, drain, start_server, translate_errors
 from specdec.logging_util import log
 from specdec.metrics import ModelServiceMetrics, serve_metrics
 from specdec.sampling import SamplingConfig
@@ -42,9 +42,11 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
     def __init__(self, worker: ModelWorker) -> None:
         self.worker = worker
         self.metrics = ModelServiceMetrics.create("target")
+        self.metrics.queue_depth.set_function(lambda: self.worker.pending)  # live at every scrape (HPA input)
         self._engine: TargetEngine | None = None
         self.fingerprint = ""
         self._evictions_seen = 0
+        self.draining = False  # set on SIGTERM: no new sessions, existing ones are served
 
     def attach(self, engine: TargetEngine, tokenizer_fingerprint: str) -> None:
         self._engine = engine
@@ -79,6 +81,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         ids = list(request.token_ids)
         if not ids:
             raise InvalidArgument("token_ids must not be empty")
+        if self.draining:
+            raise Unavailable("the target replica is shutting down; create the session on another replica")
         job = asyncio.ensure_future(
             self.worker.run(self.engine.prefill, ids, cfg, request.sample_next_token, int(request.rng_offset))
         )
@@ -165,10 +169,18 @@ class TargetServer:
     worker: ModelWorker
     reaper: asyncio.Task[None]
     metrics_port: int | None = None
+    servicer: TargetServicer | None = None
 
     @property
     def port(self) -> int:
         return self.handle.port
+
+    async def drain(self, timeout_s: float) -> None:
+        """Graceful shutdown, step one: new sessions are refused, the open ones
+        are served until their orchestrators release them (up to ``timeout_s``)."""
+        if self.servicer is not None:
+            self.servicer.draining = True
+        await drain(self.handle, lambda: self.engine.num_sessions, timeout_s, "target")
 
     async def stop(self, grace: float | None = 5.0) -> None:
         self.reaper.cancel()
@@ -225,6 +237,7 @@ async def start(config: TargetServiceConfig) -> TargetServer:
         config.host,
         config.port,
         config.max_message_bytes,
+        health_port=config.health_port,
     )
     log(logger, logging.INFO, "target service listening (loading model)", port=handle.port)
     try:
@@ -240,4 +253,4 @@ async def start(config: TargetServiceConfig) -> TargetServer:
     reaper = asyncio.create_task(_reap(engine, worker, config.session_ttl_s))
     await handle.set_serving(True)
     log(logger, logging.INFO, "target service ready", port=handle.port, model=engine.model_name)
-    return TargetServer(handle, engine, worker, reaper, metrics_port)
+    return TargetServer(handle, engine, worker, reaper, metrics_port, servicer)

@@ -207,15 +207,9 @@ def start_stack(
     proc = None
     draft_addr = ""
     if draft_dir is not None and draft_subprocess:
-        port = free_port()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "specdec.cli", "serve", "draft", "--model", str(draft_dir), "--port", str(port),
-             "--precision", draft_precision, "--cache-dir", str(cache_dir), "--log-level", "warning",
-             "--drafters", "qwen2.5-coder-0.5b"],
-            cwd=REPO, start_new_session=True,
-        )
-        draft_addr = f"127.0.0.1:{port}"
-        wait_serving(draft_addr, proc=proc)
+        sp = start_service_process("draft", draft_dir, cache_dir, precision=draft_precision)
+        proc, draft_addr = sp.proc, sp.address
+        sp.wait_serving()
     elif draft_dir is not None or drafters:
         dcfg = DraftServiceConfig(
             drafters=drafters or [DrafterSpec(name=draft_name, model=str(draft_dir), precision=draft_precision)],
@@ -224,7 +218,8 @@ def start_stack(
         )
         draft = loop.run(start_draft(dcfg))
         draft_addr = f"127.0.0.1:{draft.port}"
-    ocfg = OrchestratorConfig(target_address=f"127.0.0.1:{target.port}", draft_address=draft_addr,
+    ocfg = OrchestratorConfig(target_addresses=[f"127.0.0.1:{target.port}"],
+                              draft_addresses=[draft_addr] if draft_addr else [],
                               tokenizer=str(target_dir), port=0, cache_dir=cache_dir,
                               **(orchestrator_overrides or {}))
     orch = loop.run(start_orch(ocfg))
@@ -240,3 +235,63 @@ def start_stack(
 def kill(proc: subprocess.Popen[bytes]) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+@dataclass
+class ServiceProcess:
+    """A ``specdec serve target|draft`` subprocess on loopback with its /metrics port."""
+
+    service: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    metrics_port: int
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def wait_serving(self, timeout_s: float = 300) -> None:
+        wait_serving(self.address, timeout_s, proc=self.proc)
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return scrape_metrics(self.metrics_port)
+
+    def calls(self, method: str) -> float:
+        """Model calls served so far (``specdec_{service}_calls_total{method=...}``)."""
+        return self.metrics().get((f"specdec_{self.service}_calls_total", (("method", method),)), 0.0)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            kill(self.proc)
+
+
+def start_service_process(
+    service: str, model_dir: Path, cache_dir: Path, *, precision: str = "fp32", dtype: str = "float32",
+    drain_timeout_s: float = 30.0,
+) -> ServiceProcess:
+    """Starts ``specdec serve target|draft`` for a tiny model (one thread; the
+    draft hosts only its model drafter). Call ``wait_serving()`` before use."""
+    port, metrics_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "specdec.cli", "serve", service, "--model", str(model_dir), "--port", str(port),
+           "--cache-dir", str(cache_dir), "--log-level", "warning", "--threads", "1",
+           "--metrics-port", str(metrics_port), "--drain-timeout", str(drain_timeout_s)]
+    if service == "draft":
+        cmd += ["--precision", precision, "--drafters", "qwen2.5-coder-0.5b"]
+    else:
+        cmd += ["--dtype", dtype]
+    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
+    return ServiceProcess(service, proc, port, metrics_port)
+
+
+def scrape_metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """One scrape of a Prometheus endpoint: {(sample name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    return out

@@ -1,0 +1,508 @@
+"""Routing over N target and M draft replicas.
+
+Plain typed Python: the gRPC specifics (channels, stubs, health checks) sit
+behind the small ``Endpoint`` protocol, so pools and routers are unit-tested
+with fakes.
+
+- **Discovery.** Each service is given entries: ``host:port`` (static),
+  ``dns:///name:port`` (A/AAAA records via ``socket.getaddrinfo`` in a thread,
+  re-resolved every ``discovery_interval_s``: a Kubernetes headless Service)
+  or ``file:///path`` (one ``host:port`` per line, ``#`` comments, re-read
+  every ``discovery_interval_s``: for tests and for a sidecar that writes
+  endpoints). Addresses that appear get a channel; addresses that disappear
+  stop getting new sessions, and their channel is closed once the sessions
+  on it ended (they fail over if the replica dies; ``close_removed_after_s``
+  is a safety net). A failed lookup keeps the previous addresses of that
+  entry.
+- **Health.** Every ``health_interval_s`` each replica gets a
+  ``grpc.health.v1`` Check: new sessions go to SERVING replicas first (so a
+  pod still loading its model, or draining, gets none). A call that fails
+  with UNAVAILABLE (or a dead connection) puts the replica in backoff
+  (``backoff_s``, doubling to ``max_backoff_s``); a call that succeeds ends
+  it. Replicas not available are still tried last, so one lagging health
+  check never fails a request.
+- **Targets** (KV cache per session) are chosen per request key by
+  rendezvous hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam
+  2018): the first replica in the key's rendezvous order that holds fewer
+  than ``ceil(c × (sessions + 1) / replicas)`` of this orchestrator's
+  sessions, c = ``target_load_factor``. A session's Verify calls always go to
+  the replica that holds its cache; when that replica fails, the request's
+  next Prefill (the rebuild) walks the same order and lands on the next one.
+- **Drafts** are chosen at session creation by the power of two choices on
+  load (sessions + in-flight calls); a session then stays on its replica.
+  When its replica fails the session is reported lost (NOT_FOUND), so the
+  decode loop recreates it on another replica from the committed tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import random
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Generic, Protocol, Sequence, TypeVar
+
+from orchestrator.config import RoutingConfig
+from orchestrator.decode import PrefillReply, ProposeReply, SparseQ, VerifyReply
+from specdec.errors import NotFound, ResourceExhausted, SpecdecError, Unavailable
+from specdec.logging_util import log
+from specdec.sampling import SamplingConfig
+
+logger = logging.getLogger("specdec.orchestrator.routing")
+
+C = TypeVar("C")
+T = TypeVar("T")
+
+DNS_PREFIX = "dns:///"
+FILE_PREFIX = "file://"
+
+
+# ------------------------------------------------------------------ addresses
+def split_host_port(address: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` → (host, port); ValueError otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, got {address!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_addresses(spec: str | Sequence[str]) -> list[str]:
+    """A comma-separated list (or a list) of entries, validated: ``host:port``,
+    ``dns:///name:port`` or ``file:///path``. Empty entries are dropped."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        if item.startswith(FILE_PREFIX):
+            if not item[len(FILE_PREFIX):]:
+                raise ValueError(f"empty path in {item!r}")
+        elif item.startswith(DNS_PREFIX):
+            split_host_port(item[len(DNS_PREFIX):])
+        elif "://" in item:
+            raise ValueError(f"unsupported scheme in {item!r} (use host:port, dns:///name:port or file:///path)")
+        else:
+            split_host_port(item)
+        out.append(item)
+    return out
+
+
+def resolve_dns(host: str, port: int) -> list[str]:
+    """A and AAAA records of ``host`` as ``ip:port`` strings (blocking)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({join_host_port(str(info[4][0]), port) for info in infos})
+
+
+def read_endpoints_file(path: str) -> list[str]:
+    """One ``host:port`` per line; blank lines and ``#`` comments ignored (blocking)."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            split_host_port(line)
+            out.append(line)
+    return out
+
+
+# ------------------------------------------------------------ load balancing
+def _score(key: str, address: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}\0{address}".encode(), digest_size=8).digest(), "big")
+
+
+def rendezvous_order(key: str, addresses: Sequence[str]) -> list[str]:
+    """Highest-random-weight order of ``addresses`` for ``key``: removing a
+    replica only moves the keys that were on it."""
+    return sorted(addresses, key=lambda a: (_score(key, a), a), reverse=True)
+
+
+def bounded_load_order(key: str, loads: dict[str, int], c: float) -> list[str]:
+    """Rendezvous order with the first replica under the bounded-load capacity
+    ``ceil(c × (total + 1) / n)`` moved to the front (the remaining ones keep
+    their order as fallbacks)."""
+    order = rendezvous_order(key, list(loads))
+    if not order:
+        return []
+    cap = math.ceil(c * (sum(loads.values()) + 1) / len(order))
+    for i, a in enumerate(order):
+        if loads[a] + 1 <= cap:
+            return [a] + order[:i] + order[i + 1:]
+    return order  # unreachable for c ≥ 1: some replica is below the mean
+
+
+def two_choices_order(loads: dict[str, int], rng: random.Random) -> list[str]:
+    """Power of two choices: the less loaded of two random replicas first,
+    then the rest by load (fallbacks)."""
+    addrs = sorted(loads)
+    if not addrs:
+        return []
+    if len(addrs) == 1:
+        return addrs
+    a, b = rng.sample(addrs, 2)
+    first = a if loads[a] <= loads[b] else b
+    return [first] + sorted((x for x in addrs if x != first), key=lambda x: (loads[x], x))
+
+
+# ------------------------------------------------------------------- replicas
+class Endpoint(Protocol):
+    """One replica's connection: the service client, a health check, close."""
+
+    client: Any
+
+    async def check(self, timeout: float) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+class RoutingEvents(Protocol):
+    """Receives routing events (the metrics path)."""
+
+    def replica_added(self, service: str, replica: "Replica[Any]") -> None: ...
+
+    def replica_removed(self, service: str, address: str) -> None: ...
+
+    def replicas_changed(self, service: str, available: int, unavailable: int) -> None: ...
+
+    def session_created(self, service: str, address: str) -> None: ...
+
+    def replica_failed(self, service: str, address: str, error: str) -> None: ...
+
+
+class NoEvents:
+    def replica_added(self, service: str, replica: "Replica[Any]") -> None:
+        pass
+
+    def replica_removed(self, service: str, address: str) -> None:
+        pass
+
+    def replicas_changed(self, service: str, available: int, unavailable: int) -> None:
+        pass
+
+    def session_created(self, service: str, address: str) -> None:
+        pass
+
+    def replica_failed(self, service: str, address: str, error: str) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class Replica(Generic[C]):
+    address: str
+    endpoint: Endpoint
+    sessions: int = 0  # sessions this orchestrator holds on it
+    in_flight: int = 0  # calls in progress
+    serving: bool = False  # last health check said SERVING
+    down_until: float = 0.0  # no new sessions before this (backoff after a failed call)
+    failures: int = 0  # consecutive failed calls
+    removed: bool = False  # gone from discovery
+    sessions_created: int = 0
+
+    @property
+    def client(self) -> C:
+        return self.endpoint.client  # type: ignore[no-any-return]
+
+    def available(self, now: float) -> bool:
+        return self.serving and not self.removed and now >= self.down_until
+
+
+@dataclass
+class ReplicaPool(Generic[C]):
+    """The replicas of one service, kept current by discovery and health checks."""
+
+    service: str
+    entries: list[str]
+    connect: Callable[[str], Endpoint]
+    cfg: RoutingConfig = field(default_factory=RoutingConfig)
+    events: RoutingEvents = field(default_factory=NoEvents)
+    resolver: Callable[[str, int], list[str]] = resolve_dns
+    clock: Callable[[], float] = time.monotonic
+    rng: random.Random = field(default_factory=random.Random)
+    replicas: dict[str, Replica[C]] = field(default_factory=dict)
+    _last: dict[str, list[str]] = field(default_factory=dict)
+    _task: asyncio.Task[None] | None = None
+    _retiring: set[asyncio.Task[None]] = field(default_factory=set)
+
+    @property
+    def dynamic(self) -> bool:
+        return any(e.startswith((DNS_PREFIX, FILE_PREFIX)) for e in self.entries)
+
+    # ------------------------------------------------------------ discovery
+    async def resolve(self) -> list[str]:
+        out: list[str] = []
+        for e in self.entries:
+            try:
+                if e.startswith(DNS_PREFIX):
+                    host, port = split_host_port(e[len(DNS_PREFIX):])
+                    addrs = await asyncio.to_thread(self.resolver, host, port)
+                elif e.startswith(FILE_PREFIX):
+                    addrs = await asyncio.to_thread(read_endpoints_file, e[len(FILE_PREFIX):])
+                else:
+                    addrs = [e]
+            except (OSError, ValueError) as err:
+                addrs = self._last.get(e, [])
+                log(logger, logging.WARNING, "endpoint discovery failed; keeping the previous addresses",
+                    service=self.service, entry=e, error=str(err), kept=len(addrs))
+            self._last[e] = addrs
+            out.extend(a for a in addrs if a not in out)
+        return out
+
+    async def refresh(self) -> None:
+        """Re-resolves the entries, adds and retires replicas, then health-checks all."""
+        addrs = await self.resolve()
+        for a in addrs:
+            if a not in self.replicas:
+                r: Replica[C] = Replica(a, self.connect(a))
+                self.replicas[a] = r
+                self.events.replica_added(self.service, r)
+                log(logger, logging.INFO, "replica added", service=self.service, address=a)
+        for a in [a for a in self.replicas if a not in addrs]:
+            self._retire(self.replicas.pop(a))
+        await self.check_health()
+
+    def _retire(self, r: Replica[C]) -> None:
+        r.removed = True
+        self.events.replica_removed(self.service, r.address)
+        log(logger, logging.INFO, "replica removed; closing once idle", service=self.service, address=r.address,
+            sessions=r.sessions)
+
+        async def close_when_idle() -> None:
+            deadline = self.clock() + self.cfg.close_removed_after_s
+            while (r.sessions or r.in_flight) and self.clock() < deadline:
+                await asyncio.sleep(min(1.0, self.cfg.health_interval_s))
+            await r.endpoint.close()
+
+        task = asyncio.ensure_future(close_when_idle())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def check_health(self) -> None:
+        replicas = list(self.replicas.values())
+
+        async def one(r: Replica[C]) -> None:
+            try:
+                ok = await r.endpoint.check(self.cfg.health_timeout_s)
+            except Exception:  # a health check never breaks routing
+                ok = False
+            if ok != r.serving:
+                log(logger, logging.INFO, "replica health changed", service=self.service, address=r.address,
+                    serving=ok)
+            r.serving = ok
+
+        await asyncio.gather(*(one(r) for r in replicas))
+        now = self.clock()
+        up = sum(1 for r in self.replicas.values() if r.available(now))
+        self.events.replicas_changed(self.service, up, len(self.replicas) - up)
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.ensure_future(self._loop())
+
+    async def _loop(self) -> None:
+        last_resolve = self.clock()
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            try:
+                if self.dynamic and self.clock() - last_resolve >= self.cfg.discovery_interval_s:
+                    last_resolve = self.clock()
+                    await self.refresh()
+                else:
+                    await self.check_health()
+            except Exception as e:  # pragma: no cover - defensive: the loop must survive
+                log(logger, logging.ERROR, "routing refresh failed", service=self.service, error=repr(e))
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for t in list(self._retiring):
+            t.cancel()
+        for r in list(self.replicas.values()):
+            await r.endpoint.close()
+        self.replicas.clear()
+
+    # ---------------------------------------------------------------- calls
+    def mark_failed(self, r: Replica[C], error: str) -> None:
+        r.failures += 1
+        backoff = min(self.cfg.max_backoff_s, self.cfg.backoff_s * 2 ** (r.failures - 1))
+        r.down_until = self.clock() + backoff
+        self.events.replica_failed(self.service, r.address, error)
+        log(logger, logging.WARNING, "replica failed; backing off", service=self.service, address=r.address,
+            backoff_s=backoff, error=error)
+
+    async def call(self, r: Replica[C], fn: Callable[[C], Awaitable[T]]) -> T:
+        """Runs one call on ``r``; UNAVAILABLE (including a dead connection) backs the replica off."""
+        r.in_flight += 1
+        try:
+            result = await fn(r.client)
+        except Unavailable as e:
+            self.mark_failed(r, e.message)
+            raise
+        finally:
+            r.in_flight -= 1
+        r.failures, r.down_until = 0, 0.0  # it answered: no backoff (health checks still gate new sessions)
+        return result
+
+    def _split(self) -> tuple[list[Replica[C]], list[Replica[C]]]:
+        now = self.clock()
+        up = [r for r in self.replicas.values() if r.available(now)]
+        down = [r for r in self.replicas.values() if not r.available(now)]
+        return up, down
+
+    def target_order(self, key: str) -> list[Replica[C]]:
+        """Replicas to try for a new session of ``key``: available ones by
+        bounded-load rendezvous hashing, then the others by rendezvous."""
+        up, down = self._split()
+        first = bounded_load_order(key, {r.address: r.sessions for r in up}, self.cfg.target_load_factor)
+        last = rendezvous_order(key, [r.address for r in down])
+        return [self.replicas[a] for a in first + last]
+
+    def draft_order(self) -> list[Replica[C]]:
+        """Replicas to try for a new draft session: two random choices on load, then the rest."""
+        up, down = self._split()
+        first = two_choices_order({r.address: r.sessions + r.in_flight for r in up}, self.rng)
+        last = sorted(down, key=lambda r: (r.sessions + r.in_flight, r.address))
+        return [self.replicas[a] for a in first] + last
+
+    async def first_success(self, order: list[Replica[C]], fn: Callable[[C], Awaitable[T]]) -> tuple[Replica[C], T]:
+        """Tries ``fn`` on each replica in order; UNAVAILABLE and RESOURCE_EXHAUSTED move on."""
+        if not order:
+            raise Unavailable(f"no {self.service} replicas discovered from {', '.join(self.entries) or '(none)'}")
+        last: SpecdecError | None = None
+        for r in order:
+            try:
+                return r, await self.call(r, fn)
+            except (Unavailable, ResourceExhausted) as e:
+                last = e
+        assert last is not None
+        raise type(last)(f"no {self.service} replica could serve the call ({len(order)} tried); last: {last.message}")
+
+    async def info(self, timeout: float | None = None) -> Any:
+        _, reply = await self.first_success(self.draft_order(), lambda c: c.info(timeout=timeout))
+        return reply
+
+
+# -------------------------------------------------------- per-request clients
+class _Bound(Generic[C]):
+    """One request's view of a pool: remembers which replica holds each of its sessions."""
+
+    def __init__(self, pool: ReplicaPool[C], key: str) -> None:
+        self.pool = pool
+        self.key = key
+        self.sessions: dict[str, Replica[C]] = {}
+
+    def _opened(self, r: Replica[C], session_id: str) -> None:
+        self.sessions[session_id] = r
+        r.sessions += 1
+        r.sessions_created += 1
+        self.pool.events.session_created(self.pool.service, r.address)
+
+    def _dropped(self, session_id: str) -> Replica[C] | None:
+        r = self.sessions.pop(session_id, None)
+        if r is not None:
+            r.sessions -= 1
+        return r
+
+    def _replica(self, session_id: str) -> Replica[C]:
+        r = self.sessions.get(session_id)
+        if r is None:
+            raise NotFound(f"{self.pool.service}: session {session_id} is not held by any replica")
+        return r
+
+    async def release(self, session_id: str, timeout: float | None) -> None:
+        r = self._dropped(session_id)
+        if r is not None:
+            await self.pool.call(r, lambda c: c.release(session_id, timeout))
+
+
+class RoutedTarget(_Bound[Any]):
+    """``TargetClient`` for one request: sessions by bounded-load hashing on
+    the request key; a session's calls go to the replica holding its cache.
+    A failed replica surfaces as UNAVAILABLE or NOT_FOUND, and the decode
+    loop's rebuild (a Prefill) lands on the next replica."""
+
+    async def prefill(
+        self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int, timeout: float | None
+    ) -> PrefillReply:
+        r, reply = await self.pool.first_success(
+            self.pool.target_order(self.key),
+            lambda c: c.prefill(token_ids, cfg, sample_next, rng_offset, timeout),
+        )
+        self._opened(r, reply.session_id)
+        return reply
+
+    async def verify(
+        self,
+        session_id: str,
+        cache_len: int,
+        new_ids: Sequence[int],
+        draft_ids: Sequence[int],
+        q: Sequence[SparseQ],
+        timeout: float | None,
+    ) -> VerifyReply:
+        r = self._replica(session_id)
+        try:
+            return await self.pool.call(r, lambda c: c.verify(session_id, cache_len, new_ids, draft_ids, q, timeout))
+        except (NotFound, Unavailable):
+            self._dropped(session_id)  # the cache is gone with it; the caller rebuilds
+            raise
+
+
+class RoutedDraft(_Bound[Any]):
+    """``DraftClient`` for one request: the session is created on the less
+    loaded of two random replicas. A replica that fails reports the session
+    lost (NOT_FOUND), so the decode loop recreates it on another replica."""
+
+    async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None) -> str:
+        r, sid = await self.pool.first_success(self.pool.draft_order(), lambda c: c.create(cfg, drafter, timeout))
+        self._opened(r, sid)
+        return str(sid)
+
+    async def propose(
+        self,
+        session_id: str,
+        base_len: int,
+        new_ids: Sequence[int],
+        num_tokens: int,
+        min_confidence: float,
+        timeout: float | None,
+    ) -> ProposeReply:
+        r = self._replica(session_id)
+        try:
+            return await self.pool.call(
+                r, lambda c: c.propose(session_id, base_len, new_ids, num_tokens, min_confidence, timeout)
+            )
+        except NotFound:
+            self._dropped(session_id)
+            raise
+        except Unavailable as e:
+            self._dropped(session_id)
+            raise NotFound(f"draft replica {r.address} failed: {e.message}") from None
+
+
+class Router(Generic[C]):
+    """A pool plus the per-request client factory the servicer uses."""
+
+    def __init__(self, pool: ReplicaPool[C], bound: type[_Bound[Any]]) -> None:
+        self.pool = pool
+        self._bound = bound
+
+    def bind(self, key: str) -> Any:
+        return self._bound(self.pool, key)
+
+    async def info(self, timeout: float | None = None) -> Any:
+        return await self.pool.info(timeout)
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def close(self) -> None:
+        await self.pool.close()
