@@ -155,9 +155,13 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     async def Release(
         self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ReleaseResponse:
-        self.sessions.release(request.session_id)
+        # Idempotent, like the target's: releasing an unknown, already released
+        # or reaped session is OK with released=false (the store is a cache).
+        if not request.session_id:
+            raise InvalidArgument("session_id is required")
+        released = self.sessions.discard(request.session_id)
         self.metrics.active_sessions.set(len(self.sessions))
-        return common_pb2.ReleaseResponse(released=True)
+        return common_pb2.ReleaseResponse(released=released)
 
 
 @dataclass
@@ -378,6 +382,7 @@ async def start(config: DraftServiceConfig) -> DraftServer:
         config.host,
         config.port,
         config.max_message_bytes,
+        tls=config.tls,
     )
     log(logger, logging.INFO, "draft service listening (loading drafters)", port=handle.port)
     drafters: dict[str, LoadedDrafter] = {}

@@ -17,6 +17,7 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.decode import DecodeParams, Decoder, RequestStats
 from orchestrator.detokenizer import IncrementalDetokenizer, StopMatcher
 from orchestrator.policy import AdaptiveConfig, PolicyFactory, RoundObservation
+from specdec.auth import ServerGuard, TokenStore
 from specdec.errors import InvalidArgument, SpecdecError, Unavailable
 from specdec.grpc_util import ServerHandle, start_server
 from specdec.logging_util import log
@@ -137,6 +138,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     def _params(self, req: pb.GenerateRequest, prompt_ids: list[int], deadline: float | None) -> DecodeParams:
         sampling = SamplingConfig.from_proto(req.sampling if req.HasField("sampling") else None)
+        if sampling.top_k > self.limits.vocab_size:
+            raise InvalidArgument(f"sampling.top_k {sampling.top_k} exceeds the vocabulary size {self.limits.vocab_size}")
         max_new = req.max_new_tokens or self.cfg.default_max_new_tokens
         if max_new > self.cfg.max_new_tokens_limit:
             raise InvalidArgument(f"max_new_tokens {max_new} exceeds the limit {self.cfg.max_new_tokens_limit}")
@@ -306,6 +309,12 @@ class OrchestratorServer:
     servicer: OrchestratorServicer
     channels: list[grpc.aio.Channel]
     tasks: list[asyncio.Task[None]]
+    guard: ServerGuard | None = None
+
+    def reload(self) -> None:
+        """Re-reads the auth tokens file (SIGHUP)."""
+        if self.guard is not None and self.guard.tokens is not None:
+            self.guard.tokens.reload()
 
     @property
     def port(self) -> int:
@@ -365,15 +374,20 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
     """Starts the public API; health turns SERVING once the tokenizer is loaded
     and the target answers. A draft that is absent or has another tokenizer
     leaves the service running target-only (logged)."""
-    target_ch = make_channel(config.target_address, config.max_message_bytes)
+    target_ch = make_channel(config.target_address, config.max_message_bytes, config.upstream_tls)
     channels = [target_ch]
     target = GrpcTargetClient(target_ch)
     draft: GrpcDraftClient | None = None
     if config.draft_address:
-        draft_ch = make_channel(config.draft_address, config.max_message_bytes)
+        draft_ch = make_channel(config.draft_address, config.max_message_bytes, config.upstream_tls)
         channels.append(draft_ch)
         draft = GrpcDraftClient(draft_ch)
     holder: dict[str, OrchestratorServicer] = {}
+    guard = ServerGuard(
+        TokenStore(config.auth_tokens_file) if config.auth_tokens_file is not None else None,
+        protect_health=config.auth_protect_health,
+        max_calls_per_client=config.max_streams_per_client,
+    )
 
     class _Servicer(orchestrator_pb2_grpc.OrchestratorServicer):
         async def Generate(self, request, context):  # type: ignore[no-untyped-def]
@@ -389,6 +403,8 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
         config.host,
         config.port,
         config.max_message_bytes,
+        tls=config.tls,
+        guard=guard,
     )
     log(logger, logging.INFO, "orchestrator listening (waiting for services)", port=handle.port)
     try:
@@ -411,4 +427,4 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
         tasks.append(asyncio.create_task(_attach_draft(servicer, draft, info, ready_timeout_s)))
     await handle.set_serving(True)
     log(logger, logging.INFO, "orchestrator ready", port=handle.port, target=info.model_name)
-    return OrchestratorServer(handle, servicer, channels, tasks)
+    return OrchestratorServer(handle, servicer, channels, tasks, guard)

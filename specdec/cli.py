@@ -78,13 +78,38 @@ def _drafter_names(a: argparse.Namespace) -> list[str]:
     return names
 
 
+def _add_tls_server_flags(p: argparse._ActionsContainer) -> None:
+    p.add_argument("--tls-cert", type=Path, default=None, help="server certificate (PEM); with --tls-key serves TLS")
+    p.add_argument("--tls-key", type=Path, default=None, help="server private key (PEM)")
+    p.add_argument("--tls-client-ca", type=Path, default=None,
+                   help="require client certificates signed by this CA (mutual TLS)")
+
+
+def _server_tls(a: argparse.Namespace) -> Any:
+    from specdec.tls import server_tls
+
+    try:
+        return server_tls(getattr(a, "tls_cert", None), getattr(a, "tls_key", None), getattr(a, "tls_client_ca", None))
+    except ValueError as e:
+        raise SystemExit(f"specdec: {e}") from None
+
+
+def _client_tls(ca: Any, cert: Any = None, key: Any = None, server_name: str = "") -> Any:
+    from specdec.tls import client_tls
+
+    try:
+        return client_tls(ca, cert, key, server_name)
+    except ValueError as e:
+        raise SystemExit(f"specdec: {e}") from None
+
+
 def target_config(a: argparse.Namespace, port: int) -> Any:
     from target_service.config import TargetServiceConfig
 
     return TargetServiceConfig(
         model=a.target_model, host=a.host, port=port, dtype=a.target_dtype, device=a.target_device,
         threads=a.target_threads, cache_dir=a.cache_dir, kv_budget_tokens=a.target_kv_budget,
-        metrics_port=a.metrics_port, metrics_host=a.metrics_host,
+        metrics_port=a.metrics_port, metrics_host=a.metrics_host, tls=_server_tls(a),
     )
 
 
@@ -114,6 +139,7 @@ def draft_config(a: argparse.Namespace, port: int) -> Any:
         target_tokenizer=getattr(a, "target_tokenizer", None) or DEFAULT_TARGET,
         intra_op_threads=a.draft_threads, execution=a.draft_execution, cache_dir=a.cache_dir,
         allow_spinning=a.draft_spin == "on", metrics_port=a.metrics_port, metrics_host=a.metrics_host,
+        tls=_server_tls(a),
     )
 
 
@@ -124,7 +150,10 @@ def orchestrator_config(a: argparse.Namespace, port: int) -> Any:
         target_address=a.target_address, draft_address=a.draft_address, tokenizer=a.target_model,
         host=a.host, port=port, cache_dir=a.cache_dir, default_num_draft_tokens=a.num_draft_tokens,
         default_max_new_tokens=a.default_max_new_tokens, metrics_port=a.metrics_port,
-        metrics_host=a.metrics_host, min_confidence=a.min_confidence,
+        metrics_host=a.metrics_host, min_confidence=a.min_confidence, tls=_server_tls(a),
+        upstream_tls=_client_tls(a.upstream_ca, a.upstream_cert, a.upstream_key, a.upstream_server_name),
+        auth_tokens_file=a.auth_tokens_file, auth_protect_health=a.auth_protect_health,
+        max_streams_per_client=a.max_streams_per_client,
     )
 
 
@@ -134,6 +163,8 @@ async def _serve_forever(start: Any, config: Any) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if hasattr(server, "reload"):  # SIGHUP re-reads the auth tokens file
+        loop.add_signal_handler(signal.SIGHUP, server.reload)
     await stop.wait()
     # Health goes NOT_SERVING first, then in-flight calls get a grace period.
     await server.stop(grace=10.0)
@@ -164,12 +195,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 # -------------------------------------------------------------------- up
-def _wait_healthy(address: str, timeout_s: float, procs: list[subprocess.Popen[bytes]]) -> bool:
+def _wait_healthy(address: str, timeout_s: float, procs: list[subprocess.Popen[bytes]], tls: Any = None) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from specdec.tls import sync_channel
+
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
+    with sync_channel(address, tls) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in procs):
@@ -212,6 +245,18 @@ def cmd_up(a: argparse.Namespace) -> int:
         if a.default_drafter:
             cmds["draft"] += ["--default-drafter", a.default_drafter]
         cmds["draft"] += common
+    tls = None
+    if a.tls_dir is not None:  # the layout scripts/gen_dev_certs.sh writes
+        d = Path(a.tls_dir)
+        server = ["--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key")]
+        for name in ("target", "draft"):
+            if name in cmds:
+                cmds[name] += server + ["--tls-client-ca", str(d / "ca.crt")]
+        cmds["orchestrator"] += server + ["--upstream-ca", str(d / "ca.crt"), "--upstream-cert",
+                                          str(d / "client.crt"), "--upstream-key", str(d / "client.key")]
+        tls = _client_tls(d / "ca.crt", d / "client.crt", d / "client.key")
+    if a.auth_tokens_file is not None:
+        cmds["orchestrator"] += ["--auth-tokens-file", str(a.auth_tokens_file)]
     procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def _interrupt(signum: int, frame: Any) -> None:
@@ -245,7 +290,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         for name in ("target", "draft", "orchestrator"):
             if name not in procs:
                 continue
-            ok = _wait_healthy(f"127.0.0.1:{ports[name]}", a.ready_timeout, list(procs.values()))
+            ok = _wait_healthy(f"127.0.0.1:{ports[name]}", a.ready_timeout, list(procs.values()), tls)
             if not ok:
                 print(f"specdec: {name} did not become healthy", file=sys.stderr, flush=True)
                 return 1
@@ -305,10 +350,17 @@ def cmd_generate(a: argparse.Namespace) -> int:
     text: list[str] = []
     ids: list[int] = []
     last = None
-    with grpc.insecure_channel(a.address) as ch:
+    from specdec.tls import sync_channel
+
+    tls = _client_tls(a.tls_ca, a.tls_cert, a.tls_key)
+    metadata = None
+    if a.token_file is not None:
+        token = Path(a.token_file).read_text().strip()
+        metadata = [("authorization", f"Bearer {token}")]
+    with sync_channel(a.address, tls) as ch:
         stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
         try:
-            for chunk in stub.Generate(req, timeout=a.timeout):
+            for chunk in stub.Generate(req, timeout=a.timeout, metadata=metadata):
                 text.append(chunk.text)
                 ids.extend(chunk.token_ids)
                 last = chunk
@@ -379,6 +431,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--no-draft", action="store_true", help="run without a draft service (target-only)")
     up.add_argument("--ready-timeout", type=float, default=1800.0)
     up.add_argument("--ready-file", default=None, help="write service addresses as JSON here once all are SERVING")
+    up.add_argument("--tls-dir", type=Path, default=None,
+                    help="serve TLS (mutual TLS between services) with the certificates scripts/gen_dev_certs.sh "
+                         "wrote here (default: plaintext)")
+    up.add_argument("--auth-tokens-file", type=Path, default=None,
+                    help="require bearer tokens from this file on the public API (default: no authentication)")
     up.set_defaults(func=cmd_up)
 
     serve = sub.add_parser("serve", help="run one service (for containers)")
@@ -386,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(serve)
     serve.add_argument("--port", type=int, default=None, help="default: orchestrator 50051, draft 50052, target 50053")
     serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
+    _add_tls_server_flags(serve.add_argument_group("transport security (all services; default plaintext)"))
     m = serve.add_argument_group("model (target and draft)")
     m.add_argument("--model", default=None, help=f"model spec (target default {DEFAULT_TARGET}, draft default {DEFAULT_DRAFT})")
     m.add_argument("--threads", type=int, default=0, help="CPU threads for the model (0 = all)")
@@ -406,6 +464,17 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--default-max-new-tokens", type=int, default=256)
     o.add_argument("--min-confidence", type=float, default=0.0,
                    help="default draft confidence early stop for AUTO (0 = off)")
+    o.add_argument("--upstream-ca", type=Path, default=None,
+                   help="CA that signs the draft/target certificates; enables TLS to them")
+    o.add_argument("--upstream-cert", type=Path, default=None, help="client certificate for mutual TLS to draft/target")
+    o.add_argument("--upstream-key", type=Path, default=None, help="key of --upstream-cert")
+    o.add_argument("--upstream-server-name", default="", help="name checked against the draft/target certificates")
+    o.add_argument("--auth-tokens-file", type=Path, default=None,
+                   help="bearer tokens ('token' or 'name:token[:scopes]' per line); reloaded on change or SIGHUP")
+    o.add_argument("--auth-protect-health", action="store_true",
+                   help="require a token for health and reflection too")
+    o.add_argument("--max-streams-per-client", type=int, default=0,
+                   help="concurrent Generate calls per client identity (token name, else peer); 0 = unlimited")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="stream a generation from the orchestrator, then print its stats")
@@ -425,6 +494,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.add_argument("--tls-ca", type=Path, default=None, help="CA of the orchestrator certificate; enables TLS")
+    gen.add_argument("--tls-cert", type=Path, default=None, help="client certificate (when the server wants one)")
+    gen.add_argument("--tls-key", type=Path, default=None, help="key of --tls-cert")
+    gen.add_argument("--token-file", type=Path, default=None, help="file holding the bearer token")
     gen.set_defaults(func=cmd_generate)
 
     models = sub.add_parser("models", help="prepare (assemble, verify, convert) models into the cache")

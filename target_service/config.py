@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.tls import TlsServerConfig
+
 
 @dataclass
 class TargetServiceConfig:
@@ -27,3 +29,4 @@ class TargetServiceConfig:
     warmup: bool = True
     metrics_port: int = 0  # Prometheus /metrics HTTP port; 0 = off
     metrics_host: str = "127.0.0.1"
+    tls: TlsServerConfig | None = None  # None = plaintext; client_ca set = mutual TLS

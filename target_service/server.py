@@ -225,6 +225,7 @@ async def start(config: TargetServiceConfig) -> TargetServer:
         config.host,
         config.port,
         config.max_message_bytes,
+        tls=config.tls,
     )
     log(logger, logging.INFO, "target service listening (loading model)", port=handle.port)
     try:
