@@ -389,6 +389,26 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_health(a: argparse.Namespace) -> int:
+    """Exit 0 when the server answers SERVING within --timeout (for exec probes
+    where the kubelet's plaintext gRPC probe cannot reach a TLS port)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from specdec.tls import sync_channel
+
+    tls = _client_tls(a.tls_ca, a.tls_cert, a.tls_key, a.tls_server_name)
+    with sync_channel(a.address, tls) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=a.service), timeout=a.timeout)
+        except grpc.RpcError as e:
+            print(f"{a.address}: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+    print(f"{a.address}: {name}")
+    return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 # --------------------------------------------------------------- models
 def cmd_models(a: argparse.Namespace) -> int:
     from specdec.logging_util import setup_logging
@@ -499,6 +519,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tls-key", type=Path, default=None, help="key of --tls-cert")
     gen.add_argument("--token-file", type=Path, default=None, help="file holding the bearer token")
     gen.set_defaults(func=cmd_generate)
+
+    hc = sub.add_parser("health", help="check a service's gRPC health (exit 0 when SERVING)")
+    hc.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORTS['orchestrator']}")
+    hc.add_argument("--service", default="", help="service name to check ('' = the whole server)")
+    hc.add_argument("--timeout", type=float, default=5.0)
+    hc.add_argument("--tls-ca", type=Path, default=None, help="CA of the server certificate; enables TLS")
+    hc.add_argument("--tls-cert", type=Path, default=None, help="client certificate (mutual TLS)")
+    hc.add_argument("--tls-key", type=Path, default=None, help="key of --tls-cert")
+    hc.add_argument("--tls-server-name", default="", help="name checked against the server certificate")
+    hc.set_defaults(func=cmd_health)
 
     models = sub.add_parser("models", help="prepare (assemble, verify, convert) models into the cache")
     models.add_argument("action", choices=["prepare"])
