@@ -295,7 +295,9 @@ def cmd_up(a: argparse.Namespace) -> int:
                 print(f"specdec: {name} did not become healthy", file=sys.stderr, flush=True)
                 return 1
             print(f"specdec: {name:<12} SERVING on 127.0.0.1:{ports[name]}", flush=True)
-        print(f"specdec: ready. Try: specdec generate \"def fib(n):\" --address 127.0.0.1:{oport}", flush=True)
+        hint = f" --tls-ca {Path(a.tls_dir) / 'ca.crt'}" if a.tls_dir is not None else ""
+        hint += " --token-file FILE" if a.auth_tokens_file is not None else ""
+        print(f"specdec: ready. Try: specdec generate \"def fib(n):\" --address 127.0.0.1:{oport}{hint}", flush=True)
         if a.ready_file:
             Path(a.ready_file).write_text(json.dumps({k: f"127.0.0.1:{v}" for k, v in ports.items() if k in procs}))
         while all(p.poll() is None for p in procs.values()):
