@@ -190,8 +190,8 @@ def test_tokens_rotate_without_restart(stack: Stack, tokens_file: Path) -> None:
     stack.assert_clean()
 
 
-def test_cli_generate_and_health_over_tls(stack: Stack, certs: Path, tokens_file: Path,
-                                         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_generate_and_health_over_tls(stack: Stack, certs: Path, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
     from specdec.cli import main
 
     token = tmp_path / "token"
@@ -208,6 +208,54 @@ def test_cli_generate_and_health_over_tls(stack: Stack, certs: Path, tokens_file
     assert main(["health", "--address", f"127.0.0.1:{stack.target.port}", *mtls]) == 0
     assert main(["health", "--address", f"127.0.0.1:{stack.target.port}", *tls, "--timeout", "2"]) == 1
     assert main(["health", "--address", stack.address, *tls, "--service", "specdec.v1.Orchestrator"]) == 0
+
+
+def test_protected_health_needs_a_token_with_its_scope(tmp_path: Path) -> None:
+    """--auth-protect-health: health and reflection need a token too, and a
+    token scoped to other methods is PERMISSION_DENIED (a bare server, no models)."""
+    import asyncio
+
+    from specdec.auth import ServerGuard
+    from specdec.grpc_util import start_server
+
+    f = tmp_path / "tokens"
+    f.write_text(f"gen:{ALICE}:Generate\nmonitor:{MONITOR}:Health,ServerReflection\n")
+
+    async def main() -> None:
+        handle = await start_server(lambda s: None, [], "127.0.0.1", 0,
+                                    guard=ServerGuard(TokenStore(f), protect_health=True))
+        await handle.set_serving(True)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+                health = health_pb2_grpc.HealthStub(ch)
+
+                async def check(metadata: Any) -> grpc.StatusCode:
+                    try:
+                        await health.Check(health_pb2.HealthCheckRequest(), metadata=metadata, timeout=10)
+                    except grpc.aio.AioRpcError as e:
+                        return e.code()
+                    return grpc.StatusCode.OK
+
+                assert await check(None) == grpc.StatusCode.UNAUTHENTICATED
+                assert await check(bearer(ALICE)) == grpc.StatusCode.PERMISSION_DENIED
+                assert await check(bearer(MONITOR)) == grpc.StatusCode.OK
+                refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+                req = reflection_pb2.ServerReflectionRequest(list_services="")
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in refl.ServerReflectionInfo(iter([req])):
+                        pass
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                async for r in refl.ServerReflectionInfo(iter([req]), metadata=bearer(MONITOR)):
+                    assert "grpc.health.v1.Health" in {s.name for s in r.list_services_response.service}
+                # a request that does not parse: INVALID_ARGUMENT (grpc alone says UNKNOWN)
+                raw = ch.unary_unary("/grpc.health.v1.Health/Check")
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await raw(b"\x0a\x02\xff\xfe", metadata=bearer(MONITOR), timeout=10)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        finally:
+            await handle.stop(0)
+
+    asyncio.run(main())
 
 
 # ------------------------------------------------------------ unit level
