@@ -75,6 +75,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self._drafters: dict[str, LoadedDrafter] = {}
         self.proposals: collections.Counter[str] = collections.Counter()  # Propose calls per drafter
         self.metrics = ModelServiceMetrics.create("draft")
+        self.metrics.active_sessions.set_function(lambda: len(self.sessions))  # exact at every scrape
 
     def attach(self, drafters: dict[str, LoadedDrafter]) -> None:
         self._drafters = drafters
@@ -138,7 +139,6 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         p = result.proposal
         self.proposals[session.drafter.name] += 1
         self.metrics.observe("propose", p.fed_tokens, timing.queue_ms, timing.compute_ms)
-        self.metrics.active_sessions.set(len(self.sessions))
         self.metrics.queue_depth.set(self.worker.pending)
         return draft_pb2.ProposeResponse(
             token_ids=p.token_ids,
@@ -160,7 +160,6 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         if not request.session_id:
             raise InvalidArgument("session_id is required")
         released = self.sessions.discard(request.session_id)
-        self.metrics.active_sessions.set(len(self.sessions))
         return common_pb2.ReleaseResponse(released=released)
 
 

@@ -278,6 +278,20 @@ def start_stack(
     return stack
 
 
+def scrape_metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A Prometheus /metrics endpoint as {(sample name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    return out
+
+
 def kill(proc: subprocess.Popen[bytes]) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

@@ -28,7 +28,7 @@ import grpc
 import pytest
 
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
-from tests.stack import Stack, make_request, start_stack
+from tests.stack import Stack, free_port, make_request, scrape_metrics, start_stack
 
 VOCAB = 34  # tests/conftest.py TINY_CHARS + 1
 CONTEXT = 512  # specdec.tiny max_position_embeddings
@@ -45,7 +45,7 @@ NAN, INF = float("nan"), float("inf")
 @pytest.fixture(scope="module")
 def stack(tiny_models, onnx_cache_dir: Path) -> Stack:  # type: ignore[no-untyped-def]
     s = start_stack(
-        tiny_models.target, tiny_models.draft, onnx_cache_dir,
+        tiny_models.target, tiny_models.draft, onnx_cache_dir, target_overrides={"metrics_port": free_port()},
         orchestrator_overrides={"max_prompt_chars": MAX_PROMPT_CHARS,
                                 "max_streams_per_client": MAX_STREAMS_PER_CLIENT},
     )
@@ -356,6 +356,24 @@ def test_bad_input(stack: Stack, name: str) -> None:
             c.t.Release(common_pb2.ReleaseRequest(session_id=sid))
         for sid in c.draft_sids:
             c.d.Release(common_pb2.ReleaseRequest(session_id=sid))
+    stack.assert_clean()
+
+
+def test_session_gauges_are_exact(stack: Stack) -> None:
+    """The Prometheus session gauges (what operators read) follow the stores,
+    also after calls that answer without touching the metrics."""
+    c = Ctx(stack)
+
+    def gauges() -> tuple[float | None, float | None]:
+        target = scrape_metrics(stack.target.metrics_port)[("specdec_target_active_sessions", ())]
+        return target, stack.draft.servicer.metrics.registry.get_sample_value("specdec_draft_active_sessions")
+
+    c.prefill()
+    c.draft_session()
+    assert gauges() == (1.0, 1.0)
+    c.t.Release(common_pb2.ReleaseRequest(session_id=c.target_sids[0]))
+    c.d.Release(common_pb2.ReleaseRequest(session_id=c.draft_sids[0]))
+    assert gauges() == (0.0, 0.0)
     stack.assert_clean()
 
 

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from specdec.sampling import SamplingConfig, process_logits
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.stack import Stack, free_port, kill, make_request, start_stack
+from tests.stack import scrape_metrics as _scrape
 from tests.test_sampling import assert_matches
 
 @pytest.fixture(scope="module")
@@ -67,19 +68,6 @@ def test_adaptive_policies_leave_greedy_output_unchanged(stack: Stack, far_stack
             assert r["stats"].policy == ("adaptive" if mode == "auto" else "heuristic")
     trajectory = list(stack.generate(prompt=PROMPTS[1], mode=mode, max_new_tokens=48)["stats"].gamma_trajectory)
     assert len(set(trajectory)) > 1  # the policy actually varied γ
-
-
-def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for smp in fam.samples:
-            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
-    return out
 
 
 def test_metrics_count_a_known_generation(stack: Stack) -> None:
