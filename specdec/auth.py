@@ -29,7 +29,6 @@ import hashlib
 import hmac
 import inspect
 import logging
-import os
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from typing import Any, Awaitable, Callable
 import grpc
 
 from specdec.logging_util import log
+from specdec.tls import FileWatcher
 
 logger = logging.getLogger("specdec.auth")
 
@@ -105,16 +105,9 @@ class TokenStore:
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path).expanduser()
         self._lock = threading.Lock()
-        self._stamp = self._stat()
+        self._watch = FileWatcher([self.path])
         self._entries = parse_tokens(self._read(), str(self.path))  # errors here stop startup
         self.reloads = 0
-
-    def _stat(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return (st.st_size, st.st_mtime_ns, st.st_ino)
 
     def _read(self) -> str:
         try:
@@ -124,11 +117,9 @@ class TokenStore:
 
     def reload(self, force: bool = True) -> bool:
         """Re-reads the file (when forced or changed); True when tokens changed."""
-        stamp = self._stat()
+        if not self._watch.changed() and not force:
+            return False
         with self._lock:
-            if not force and stamp == self._stamp:
-                return False
-            self._stamp = stamp
             try:
                 entries = parse_tokens(self._read(), str(self.path))
             except ValueError as e:

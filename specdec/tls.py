@@ -2,19 +2,28 @@
 loaders that turn them into gRPC credentials.
 
 Every setting is a file path (PEM), handed down from the CLI in each
-service's config dataclass; nothing here reads the environment. Files are
-read when a server or channel is built, so rotating certificates means
-restarting (a Kubernetes rollout after the Secret changes; see
-docs/security.md).
+service's config dataclass; nothing here reads the environment. A server
+re-reads its certificate, key and client CA when those files change (checked
+at each new TLS handshake), so a rotated Kubernetes Secret takes effect
+without a restart for new connections; a channel reads its files once, when
+it is built (see docs/security.md).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import ssl
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import grpc
+
+from specdec.logging_util import log
+
+logger = logging.getLogger("specdec.tls")
 
 
 def _read(path: Path | str, what: str) -> bytes:
@@ -41,10 +50,66 @@ class TlsServerConfig:
     def mutual(self) -> bool:
         return self.client_ca is not None
 
-    def credentials(self) -> grpc.ServerCredentials:
+    def files(self) -> list[Path]:
+        return [Path(p).expanduser() for p in (self.cert, self.key, self.client_ca) if p is not None]
+
+    def certificate_configuration(self) -> Any:
+        """Reads and checks the files (the key must match the certificate)."""
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(Path(self.cert).expanduser(),
+                                                                   Path(self.key).expanduser())
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"TLS certificate {str(self.cert)!r} and key {str(self.key)!r} do not load: {e}") from None
         pair = (_read(self.key, "TLS key"), _read(self.cert, "TLS certificate"))
         ca = _read(self.client_ca, "client CA") if self.client_ca is not None else None
-        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+        return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        """Server credentials that pick up changed files at the next handshake;
+        a change that does not load keeps the previous files (logged)."""
+        watcher = FileWatcher(self.files())
+        initial = self.certificate_configuration()
+
+        def fetch() -> Any:
+            if not watcher.changed():
+                return None
+            try:
+                config = self.certificate_configuration()
+            except ValueError as e:
+                log(logger, logging.ERROR, "TLS files changed but do not load; keeping the previous ones", error=str(e))
+                return None
+            log(logger, logging.INFO, "TLS certificate reloaded", cert=str(self.cert))
+            return config
+
+        return grpc.dynamic_ssl_server_credentials(initial, fetch, require_client_authentication=self.mutual)
+
+
+class FileWatcher:
+    """Tells when any of some files changed (size, mtime or inode; symlinks
+    followed, so a Kubernetes Secret's atomic swap counts)."""
+
+    def __init__(self, paths: Sequence[Path]) -> None:
+        self.paths = list(paths)
+        self._lock = threading.Lock()
+        self._stamp = self._stat()
+
+    def _stat(self) -> list[tuple[int, int, int] | None]:
+        out: list[tuple[int, int, int] | None] = []
+        for p in self.paths:
+            try:
+                st = os.stat(p)
+                out.append((st.st_size, st.st_mtime_ns, st.st_ino))
+            except OSError:
+                out.append(None)
+        return out
+
+    def changed(self) -> bool:
+        stamp = self._stat()
+        with self._lock:
+            if stamp == self._stamp:
+                return False
+            self._stamp = stamp
+            return True
 
 
 @dataclass(frozen=True)

@@ -258,6 +258,52 @@ def test_protected_health_needs_a_token_with_its_scope(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_server_certificates_rotate_without_restart(tmp_path: Path, certs: Path, other_certs: Path) -> None:
+    """A server picks up replaced certificate, key and client CA files at the
+    next handshake; files that do not load (a key that does not match) keep
+    the previous ones."""
+    import asyncio
+
+    from specdec.grpc_util import start_server
+    from specdec.tls import aio_channel
+
+    live = tmp_path / "live"
+    shutil.copytree(certs, live)
+    old = TlsClientConfig(certs / "ca.crt", certs / "client.crt", certs / "client.key")
+    new = TlsClientConfig(other_certs / "ca.crt", other_certs / "client.crt", other_certs / "client.key")
+
+    def swap(src: Path, *names: str) -> None:
+        for name in names:  # atomically, file by file
+            shutil.copy(src / name, live / f".{name}.tmp")
+            os.replace(live / f".{name}.tmp", live / name)
+
+    async def main() -> None:
+        handle = await start_server(lambda s: None, [], "127.0.0.1", 0,
+                                    tls=TlsServerConfig(live / "server.crt", live / "server.key", live / "ca.crt"))
+        await handle.set_serving(True)
+
+        async def code(tls: TlsClientConfig) -> grpc.StatusCode:
+            async with aio_channel(f"127.0.0.1:{handle.port}", tls, [("grpc.use_local_subchannel_pool", 1)]) as ch:
+                try:
+                    await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                except grpc.aio.AioRpcError as e:
+                    return e.code()
+                return grpc.StatusCode.OK
+
+        try:
+            assert (await code(old), await code(new)) == (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE)
+            swap(other_certs, "server.crt", "server.key", "ca.crt")
+            assert (await code(old), await code(new)) == (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK)
+            swap(certs, "server.key")  # no longer matches server.crt: ignored
+            assert await code(new) == grpc.StatusCode.OK
+            swap(certs, "server.crt", "ca.crt")  # now a matching set again
+            assert (await code(old), await code(new)) == (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE)
+        finally:
+            await handle.stop(0)
+
+    asyncio.run(main())
+
+
 # ------------------------------------------------------------ unit level
 def test_tokens_file_parsing() -> None:
     entries = parse_tokens(TOKENS)
