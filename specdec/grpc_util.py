@@ -88,7 +88,8 @@ async def start_server(
     """Builds and starts a ``grpc.aio`` server with health (NOT_SERVING until
     the caller flips it) and reflection. ``port=0`` picks a free port.
     ``tls`` serves TLS (mutual TLS with a client CA) instead of plaintext;
-    ``guard`` (default: parse errors only) authenticates and limits calls."""
+    ``guard`` (default: parse errors and expired deadlines only) also
+    authenticates and limits calls (see specdec.auth)."""
     server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=[guard or ServerGuard()])
     register(server)
     health_servicer = health.aio.HealthServicer()
