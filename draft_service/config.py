@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec.grpc_util import DEFAULT_MAX_MESSAGE_BYTES
+from specdec.tls import TlsServerConfig
 
 
 DRAFTER_KINDS = ("onnx", "tli", "prompt-lookup", "auto")
@@ -58,6 +59,7 @@ class DraftServiceConfig:
     metrics_port: int = 0  # Prometheus /metrics HTTP port; 0 = off
     metrics_host: str = "127.0.0.1"
     health_port: int = 0  # plaintext port serving only grpc.health.v1 (kubelet probes when TLS is on); 0 = off
+    tls: TlsServerConfig | None = None  # None = plaintext; client_ca set = mutual TLS
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir is not None:

@@ -77,6 +77,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self.metrics = ModelServiceMetrics.create("draft")
         self.metrics.queue_depth.set_function(lambda: self.worker.pending)  # live at every scrape (HPA input)
         self.draining = False  # set on SIGTERM: no new sessions, existing ones are served
+        self.metrics.active_sessions.set_function(lambda: len(self.sessions))  # exact at every scrape
 
     def attach(self, drafters: dict[str, LoadedDrafter]) -> None:
         self._drafters = drafters
@@ -142,7 +143,6 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         p = result.proposal
         self.proposals[session.drafter.name] += 1
         self.metrics.observe("propose", p.fed_tokens, timing.queue_ms, timing.compute_ms)
-        self.metrics.active_sessions.set(len(self.sessions))
         self.metrics.queue_depth.set(self.worker.pending)
         return draft_pb2.ProposeResponse(
             token_ids=p.token_ids,
@@ -159,9 +159,12 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     async def Release(
         self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ReleaseResponse:
-        self.sessions.release(request.session_id)
-        self.metrics.active_sessions.set(len(self.sessions))
-        return common_pb2.ReleaseResponse(released=True)
+        # Idempotent, like the target's: releasing an unknown, already released
+        # or reaped session is OK with released=false (the store is a cache).
+        if not request.session_id:
+            raise InvalidArgument("session_id is required")
+        released = self.sessions.discard(request.session_id)
+        return common_pb2.ReleaseResponse(released=released)
 
 
 @dataclass
@@ -390,6 +393,7 @@ async def start(config: DraftServiceConfig) -> DraftServer:
         config.port,
         config.max_message_bytes,
         health_port=config.health_port,
+        tls=config.tls,
     )
     log(logger, logging.INFO, "draft service listening (loading drafters)", port=handle.port)
     drafters: dict[str, LoadedDrafter] = {}

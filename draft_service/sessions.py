@@ -100,6 +100,14 @@ class SessionStore:
                 raise NotFound(f"unknown draft session {session_id!r}")
             self.released_total += 1
 
+    def discard(self, session_id: str) -> bool:
+        """Releases a session if it exists; True when it did."""
+        try:
+            self.release(session_id)
+        except NotFound:
+            return False
+        return True
+
     def reap(self) -> int:
         """Drops sessions idle for longer than ``ttl_s``; returns how many."""
         with self._lock:

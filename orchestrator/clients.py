@@ -10,6 +10,7 @@ import numpy as np
 from orchestrator.decode import PrefillReply, ProposeReply, SparseQ, VerifyReply
 from specdec.errors import from_rpc_error
 from specdec.grpc_util import channel_options
+from specdec.tls import TlsClientConfig, aio_channel
 from specdec.sampling import SamplingConfig
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -21,8 +22,8 @@ def sampling_proto(cfg: SamplingConfig) -> common_pb2.SamplingParams:
     return msg
 
 
-def make_channel(address: str, max_message_bytes: int) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+def make_channel(address: str, max_message_bytes: int, tls: TlsClientConfig | None = None) -> grpc.aio.Channel:
+    return aio_channel(address, tls, channel_options(max_message_bytes))
 
 
 class _GrpcClient:

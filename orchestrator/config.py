@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.tls import TlsClientConfig, TlsServerConfig
+
 
 @dataclass
 class RoutingConfig:
@@ -51,3 +53,8 @@ class OrchestratorConfig:
     adaptive_gamma_max: int = 16  # largest γ the adaptive policy considers (AUTO); ≤ max_num_draft_tokens
     min_confidence: float = 0.0  # default draft confidence early stop for AUTO (0 = off)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    tls: TlsServerConfig | None = None  # public API TLS; None = plaintext
+    upstream_tls: TlsClientConfig | None = None  # channels to draft/target; None = plaintext
+    auth_tokens_file: Path | None = None  # bearer tokens for the public API; None = no authentication
+    auth_protect_health: bool = False  # also require a token for health and reflection
+    max_streams_per_client: int = 0  # concurrent Generate calls per client identity; 0 = unlimited

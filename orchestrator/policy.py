@@ -33,6 +33,9 @@ class RoundObservation:
     verify_compute_ms / verify_queue_ms: reported by the target.
     tokens_in_pass: tokens the target ran in the verify pass (new + drafted).
     queue_depth: jobs pending at the target when the call was admitted.
+    batch_size / batch_tokens: rows and tokens of the target's forward pass
+      that served this Verify (1 / tokens_in_pass when it ran alone; 0 when
+      the target does not report them).
     continued: the previous round of this request drafted and had every
       drafted token accepted, so this round continues a run of agreement
       (see ``AcceptancePrior``).
@@ -48,6 +51,8 @@ class RoundObservation:
     tokens_in_pass: int = 1
     queue_depth: int = 0
     continued: bool = False
+    batch_size: int = 0
+    batch_tokens: int = 0
 
 
 class DraftLengthPolicy(Protocol):
@@ -171,13 +176,24 @@ class AcceptancePrior:
 class CostModel:
     """Live, process-wide estimates of what a round costs (ms):
 
-    - t_verify(k) = a + b·k, fitted by exponentially weighted least squares on
-      (tokens in the pass, Verify wall time incl. queueing and network), so it
-      follows the target's current load; the slope is shrunk towards
-      ``verify_slope_ms`` until the data has spread in k;
+    - the target's forward pass F(x) = A + b·x for x tokens in the pass,
+      fitted by exponentially weighted least squares on (tokens in the
+      forward pass, its compute time) as the target reports them, so it
+      follows the target's current speed; the slope is shrunk towards
+      ``verify_slope_ms`` until the data has spread in x;
+    - B, the rows the target batches into one pass (exponentially weighted
+      mean of what it reports), and the per-call network time;
     - t_draft(γ) = rtt + γ·t_token, where rtt is the Propose call's wall time
-      minus the draft's compute and t_token = Σ compute / Σ γ (exponentially
-      weighted ratio estimator; ``draft_token_ms`` before any data).
+      minus the draft's compute (so queueing at a busy draft service counts)
+      and t_token = Σ compute / Σ γ (exponentially weighted ratio estimator;
+      ``draft_token_ms`` before any data).
+
+    ``verify_ms(k)`` is a request's share of a verify pass of its k tokens:
+    A/B + b·k + network. Alone on the target (B = 1) that is the pass itself;
+    under load the fixed cost A is shared by the batch while every drafted
+    token still costs b for everyone, so long spans stop paying and the
+    policy shortens speculation or turns it off (issue: speculation must
+    never lower throughput).
     """
 
     def __init__(self, halflife: float = 64.0, verify_slope_ms: float = 8.0, draft_token_ms: float = 20.0) -> None:
@@ -185,6 +201,9 @@ class CostModel:
         self.verify_slope_ms = verify_slope_ms
         self.draft_token_ms = draft_token_ms
         self._verify = _WeightedLine()
+        self._rows = 0.0
+        self._net = 0.0
+        self._verify_n = 0.0
         self._draft_compute = 0.0
         self._draft_tokens = 0.0
         self._draft_rtt = 0.0
@@ -192,20 +211,36 @@ class CostModel:
         self._lock = threading.Lock()
 
     def observe(self, obs: RoundObservation) -> None:
+        w = self._w
         with self._lock:
             if obs.verify_ms > 0:
-                self._verify.add(obs.tokens_in_pass, obs.verify_ms, self._w)
+                compute = obs.verify_compute_ms if obs.verify_compute_ms > 0 else obs.verify_ms
+                x = obs.batch_tokens if obs.batch_tokens > 0 else obs.tokens_in_pass
+                self._verify.add(x, compute, w)
+                self._rows = self._rows * w + max(1, obs.batch_size)
+                self._net = self._net * w + max(0.0, obs.verify_ms - compute - obs.verify_queue_ms)
+                self._verify_n = self._verify_n * w + 1.0
             if obs.gamma > 0 and obs.draft_ms > 0:
-                w = self._w
                 compute = obs.draft_compute_ms if obs.draft_compute_ms > 0 else obs.draft_ms
                 self._draft_compute = self._draft_compute * w + compute
                 self._draft_tokens = self._draft_tokens * w + obs.gamma
                 self._draft_rtt = self._draft_rtt * w + max(0.0, obs.draft_ms - compute)
                 self._draft_n = self._draft_n * w + 1.0
 
+    @property
+    def batch_rows(self) -> float:
+        """B: rows per target forward pass recently (1 = no batching)."""
+        with self._lock:
+            return self._rows / self._verify_n if self._verify_n > 1e-9 else 1.0
+
     def verify_ms(self, k: int) -> float | None:
         with self._lock:
-            return self._verify.predict(k, self.verify_slope_ms)
+            fit = self._verify.fit(self.verify_slope_ms)
+            if fit is None:
+                return None
+            a, b = fit
+            rows = max(1.0, self._rows / self._verify_n)
+            return max(0.0, a) / rows + b * k + self._net / self._verify_n
 
     def draft_ms(self, gamma: int) -> float | None:
         with self._lock:
@@ -232,17 +267,17 @@ class _WeightedLine:
         self.sxx = self.sxx * w + x * x
         self.sxy = self.sxy * w + x * y
 
-    def predict(self, x: float, prior_slope: float, strength: float = 4.0) -> float | None:
-        """Prediction at x; the slope is shrunk towards ``prior_slope`` with
-        ``strength`` units of x-variance, so a policy that keeps one γ (no
-        spread in x) still has a sensible slope."""
+    def fit(self, prior_slope: float, strength: float = 4.0) -> tuple[float, float] | None:
+        """(intercept, slope); the slope is shrunk towards ``prior_slope``
+        with ``strength`` units of x-variance, so a policy that keeps one γ
+        (no spread in x) still has a sensible slope."""
         if self.n < 1e-9:
             return None
         mean_x, mean_y = self.sx / self.n, self.sy / self.n
         sxx_c = self.sxx - self.n * mean_x * mean_x
         sxy_c = self.sxy - self.n * mean_x * mean_y
         slope = max(0.0, (sxy_c + strength * prior_slope) / (max(sxx_c, 0.0) + strength))
-        return max(0.0, mean_y + slope * (x - mean_x))
+        return mean_y - slope * mean_x, slope
 
 
 @dataclass

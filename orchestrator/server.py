@@ -19,6 +19,7 @@ from orchestrator.decode import DecodeParams, Decoder, RequestStats
 from orchestrator.detokenizer import IncrementalDetokenizer, StopMatcher
 from orchestrator.policy import AdaptiveConfig, PolicyFactory, RoundObservation
 from orchestrator.routing import Replica, ReplicaPool, RoutedDraft, RoutedTarget, Router
+from specdec.auth import ServerGuard, TokenStore
 from specdec.errors import InvalidArgument, SpecdecError, Unavailable
 from specdec.grpc_util import ServerHandle, drain, start_server
 from specdec.logging_util import log
@@ -173,6 +174,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     def _params(self, req: pb.GenerateRequest, prompt_ids: list[int], deadline: float | None) -> DecodeParams:
         sampling = SamplingConfig.from_proto(req.sampling if req.HasField("sampling") else None)
+        if sampling.top_k > self.limits.vocab_size:
+            raise InvalidArgument(f"sampling.top_k {sampling.top_k} exceeds the vocabulary size {self.limits.vocab_size}")
         max_new = req.max_new_tokens or self.cfg.default_max_new_tokens
         if max_new > self.cfg.max_new_tokens_limit:
             raise InvalidArgument(f"max_new_tokens {max_new} exceeds the limit {self.cfg.max_new_tokens_limit}")
@@ -345,6 +348,12 @@ class OrchestratorServer:
     servicer: OrchestratorServicer
     routers: list[Router[Any]]
     tasks: list[asyncio.Task[None]]
+    guard: ServerGuard | None = None
+
+    def reload(self) -> None:
+        """Re-reads the auth tokens file (SIGHUP)."""
+        if self.guard is not None and self.guard.tokens is not None:
+            self.guard.tokens.reload()
 
     @property
     def port(self) -> int:
@@ -415,7 +424,7 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
 
     def endpoint(client_cls: Any) -> Any:
         def connect(address: str) -> GrpcEndpoint:
-            ch = make_channel(address, config.max_message_bytes)
+            ch = make_channel(address, config.max_message_bytes, config.upstream_tls)
             return GrpcEndpoint(ch, client_cls(ch))
 
         return connect
@@ -435,6 +444,11 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
     for r in routers:
         await r.start()
     holder: dict[str, OrchestratorServicer] = {}
+    guard = ServerGuard(
+        TokenStore(config.auth_tokens_file) if config.auth_tokens_file is not None else None,
+        protect_health=config.auth_protect_health,
+        max_calls_per_client=config.max_streams_per_client,
+    )
 
     class _Servicer(orchestrator_pb2_grpc.OrchestratorServicer):
         async def Generate(self, request, context):  # type: ignore[no-untyped-def]
@@ -451,6 +465,8 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
         config.port,
         config.max_message_bytes,
         health_port=config.health_port,
+        tls=config.tls,
+        guard=guard,
     )
     log(logger, logging.INFO, "orchestrator listening (waiting for services)", port=handle.port)
     try:
@@ -475,4 +491,4 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
         tasks.append(asyncio.create_task(_attach_draft(servicer, draft, info, ready_timeout_s)))
     await handle.set_serving(True)
     log(logger, logging.INFO, "orchestrator ready", port=handle.port, target=info.model_name)
-    return OrchestratorServer(handle, servicer, routers, tasks)
+    return OrchestratorServer(handle, servicer, routers, tasks, guard)

@@ -84,6 +84,31 @@ def _drafter_names(a: argparse.Namespace) -> list[str]:
     return names
 
 
+def _add_tls_server_flags(p: argparse._ActionsContainer) -> None:
+    p.add_argument("--tls-cert", type=Path, default=None, help="server certificate (PEM); with --tls-key serves TLS")
+    p.add_argument("--tls-key", type=Path, default=None, help="server private key (PEM)")
+    p.add_argument("--tls-client-ca", type=Path, default=None,
+                   help="require client certificates signed by this CA (mutual TLS)")
+
+
+def _server_tls(a: argparse.Namespace) -> Any:
+    from specdec.tls import server_tls
+
+    try:
+        return server_tls(getattr(a, "tls_cert", None), getattr(a, "tls_key", None), getattr(a, "tls_client_ca", None))
+    except ValueError as e:
+        raise SystemExit(f"specdec: {e}") from None
+
+
+def _client_tls(ca: Any, cert: Any = None, key: Any = None, server_name: str = "") -> Any:
+    from specdec.tls import client_tls
+
+    try:
+        return client_tls(ca, cert, key, server_name)
+    except ValueError as e:
+        raise SystemExit(f"specdec: {e}") from None
+
+
 def target_config(a: argparse.Namespace, port: int) -> Any:
     from target_service.config import TargetServiceConfig
 
@@ -91,6 +116,7 @@ def target_config(a: argparse.Namespace, port: int) -> Any:
         model=a.target_model, host=a.host, port=port, dtype=a.target_dtype, device=a.target_device,
         threads=a.target_threads, cache_dir=a.cache_dir, kv_budget_tokens=a.target_kv_budget,
         metrics_port=a.metrics_port, metrics_host=a.metrics_host, health_port=a.health_port,
+        tls=_server_tls(a),
     )
 
 
@@ -121,6 +147,7 @@ def draft_config(a: argparse.Namespace, port: int) -> Any:
         intra_op_threads=a.draft_threads, execution=a.draft_execution, cache_dir=a.cache_dir,
         allow_spinning=a.draft_spin == "on", metrics_port=a.metrics_port, metrics_host=a.metrics_host,
         health_port=a.health_port,
+        tls=_server_tls(a),
     )
 
 
@@ -143,6 +170,10 @@ def orchestrator_config(a: argparse.Namespace, port: int) -> Any:
         metrics_host=a.metrics_host, min_confidence=a.min_confidence, health_port=a.health_port,
         routing=RoutingConfig(discovery_interval_s=a.discovery_interval, backoff_s=a.replica_backoff,
                               target_load_factor=a.target_load_factor),
+        tls=_server_tls(a),
+        upstream_tls=_client_tls(a.upstream_ca, a.upstream_cert, a.upstream_key, a.upstream_server_name),
+        auth_tokens_file=a.auth_tokens_file, auth_protect_health=a.auth_protect_health,
+        max_streams_per_client=a.max_streams_per_client,
     )
 
 
@@ -152,6 +183,8 @@ async def _serve_forever(start: Any, config: Any, drain_timeout_s: float) -> Non
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if hasattr(server, "reload"):  # SIGHUP re-reads the auth tokens file
+        loop.add_signal_handler(signal.SIGHUP, server.reload)
     await stop.wait()
     # Health goes NOT_SERVING first and new sessions/streams are refused; open
     # ones are served until they end (up to --drain-timeout); then in-flight
@@ -185,12 +218,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 # -------------------------------------------------------------------- up
-def _wait_healthy(address: str, timeout_s: float, procs: list[subprocess.Popen[bytes]]) -> bool:
+def _wait_healthy(address: str, timeout_s: float, procs: list[subprocess.Popen[bytes]], tls: Any = None) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from specdec.tls import sync_channel
+
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
+    with sync_channel(address, tls) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in procs):
@@ -233,6 +268,18 @@ def cmd_up(a: argparse.Namespace) -> int:
         if a.default_drafter:
             cmds["draft"] += ["--default-drafter", a.default_drafter]
         cmds["draft"] += common
+    tls = None
+    if a.tls_dir is not None:  # the layout scripts/gen_dev_certs.sh writes
+        d = Path(a.tls_dir)
+        server = ["--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key")]
+        for name in ("target", "draft"):
+            if name in cmds:
+                cmds[name] += server + ["--tls-client-ca", str(d / "ca.crt")]
+        cmds["orchestrator"] += server + ["--upstream-ca", str(d / "ca.crt"), "--upstream-cert",
+                                          str(d / "client.crt"), "--upstream-key", str(d / "client.key")]
+        tls = _client_tls(d / "ca.crt", d / "client.crt", d / "client.key")
+    if a.auth_tokens_file is not None:
+        cmds["orchestrator"] += ["--auth-tokens-file", str(a.auth_tokens_file)]
     procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def _interrupt(signum: int, frame: Any) -> None:
@@ -266,12 +313,14 @@ def cmd_up(a: argparse.Namespace) -> int:
         for name in ("target", "draft", "orchestrator"):
             if name not in procs:
                 continue
-            ok = _wait_healthy(f"127.0.0.1:{ports[name]}", a.ready_timeout, list(procs.values()))
+            ok = _wait_healthy(f"127.0.0.1:{ports[name]}", a.ready_timeout, list(procs.values()), tls)
             if not ok:
                 print(f"specdec: {name} did not become healthy", file=sys.stderr, flush=True)
                 return 1
             print(f"specdec: {name:<12} SERVING on 127.0.0.1:{ports[name]}", flush=True)
-        print(f"specdec: ready. Try: specdec generate \"def fib(n):\" --address 127.0.0.1:{oport}", flush=True)
+        hint = f" --tls-ca {Path(a.tls_dir) / 'ca.crt'}" if a.tls_dir is not None else ""
+        hint += " --token-file FILE" if a.auth_tokens_file is not None else ""
+        print(f"specdec: ready. Try: specdec generate \"def fib(n):\" --address 127.0.0.1:{oport}{hint}", flush=True)
         if a.ready_file:
             Path(a.ready_file).write_text(json.dumps({k: f"127.0.0.1:{v}" for k, v in ports.items() if k in procs}))
         while all(p.poll() is None for p in procs.values()):
@@ -326,10 +375,17 @@ def cmd_generate(a: argparse.Namespace) -> int:
     text: list[str] = []
     ids: list[int] = []
     last = None
-    with grpc.insecure_channel(a.address) as ch:
+    from specdec.tls import sync_channel
+
+    tls = _client_tls(a.tls_ca, a.tls_cert, a.tls_key)
+    metadata = None
+    if a.token_file is not None:
+        token = Path(a.token_file).read_text().strip()
+        metadata = [("authorization", f"Bearer {token}")]
+    with sync_channel(a.address, tls) as ch:
         stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
         try:
-            for chunk in stub.Generate(req, timeout=a.timeout):
+            for chunk in stub.Generate(req, timeout=a.timeout, metadata=metadata):
                 text.append(chunk.text)
                 ids.extend(chunk.token_ids)
                 last = chunk
@@ -356,6 +412,26 @@ def cmd_generate(a: argparse.Namespace) -> int:
               f"acceptance={s.acceptance_rate:.3f} mean_accepted_length={s.mean_accepted_length:.2f}")
         print(f"time split: draft={s.draft_ms:.0f}ms verify={s.verify_ms:.0f}ms overhead={s.overhead_ms:.0f}ms")
     return 0
+
+
+def cmd_health(a: argparse.Namespace) -> int:
+    """Exit 0 when the server answers SERVING within --timeout (for exec probes
+    where the kubelet's plaintext gRPC probe cannot reach a TLS port)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from specdec.tls import sync_channel
+
+    tls = _client_tls(a.tls_ca, a.tls_cert, a.tls_key, a.tls_server_name)
+    with sync_channel(a.address, tls) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=a.service), timeout=a.timeout)
+        except grpc.RpcError as e:
+            print(f"{a.address}: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+    print(f"{a.address}: {name}")
+    return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 # --------------------------------------------------------------- models
@@ -400,6 +476,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--no-draft", action="store_true", help="run without a draft service (target-only)")
     up.add_argument("--ready-timeout", type=float, default=1800.0)
     up.add_argument("--ready-file", default=None, help="write service addresses as JSON here once all are SERVING")
+    up.add_argument("--tls-dir", type=Path, default=None,
+                    help="serve TLS (mutual TLS between services) with the certificates scripts/gen_dev_certs.sh "
+                         "wrote here (default: plaintext)")
+    up.add_argument("--auth-tokens-file", type=Path, default=None,
+                    help="require bearer tokens from this file on the public API (default: no authentication)")
     up.set_defaults(func=cmd_up)
 
     serve = sub.add_parser("serve", help="run one service (for containers)")
@@ -407,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(serve)
     serve.add_argument("--port", type=int, default=None, help="default: orchestrator 50051, draft 50052, target 50053")
     serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
+    _add_tls_server_flags(serve.add_argument_group("transport security (all services; default plaintext)"))
     m = serve.add_argument_group("model (target and draft)")
     m.add_argument("--model", default=None, help=f"model spec (target default {DEFAULT_TARGET}, draft default {DEFAULT_DRAFT})")
     m.add_argument("--threads", type=int, default=0, help="CPU threads for the model (0 = all)")
@@ -436,6 +518,17 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--default-max-new-tokens", type=int, default=256)
     o.add_argument("--min-confidence", type=float, default=0.0,
                    help="default draft confidence early stop for AUTO (0 = off)")
+    o.add_argument("--upstream-ca", type=Path, default=None,
+                   help="CA that signs the draft/target certificates; enables TLS to them")
+    o.add_argument("--upstream-cert", type=Path, default=None, help="client certificate for mutual TLS to draft/target")
+    o.add_argument("--upstream-key", type=Path, default=None, help="key of --upstream-cert")
+    o.add_argument("--upstream-server-name", default="", help="name checked against the draft/target certificates")
+    o.add_argument("--auth-tokens-file", type=Path, default=None,
+                   help="bearer tokens ('token' or 'name:token[:scopes]' per line); reloaded on change or SIGHUP")
+    o.add_argument("--auth-protect-health", action="store_true",
+                   help="require a token for health and reflection too")
+    o.add_argument("--max-streams-per-client", type=int, default=0,
+                   help="concurrent Generate calls per client identity (token name, else peer); 0 = unlimited")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="stream a generation from the orchestrator, then print its stats")
@@ -455,7 +548,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.add_argument("--tls-ca", type=Path, default=None, help="CA of the orchestrator certificate; enables TLS")
+    gen.add_argument("--tls-cert", type=Path, default=None, help="client certificate (when the server wants one)")
+    gen.add_argument("--tls-key", type=Path, default=None, help="key of --tls-cert")
+    gen.add_argument("--token-file", type=Path, default=None, help="file holding the bearer token")
     gen.set_defaults(func=cmd_generate)
+
+    hc = sub.add_parser("health", help="check a service's gRPC health (exit 0 when SERVING)")
+    hc.add_argument("--address", default=f"127.0.0.1:{DEFAULT_PORTS['orchestrator']}")
+    hc.add_argument("--service", default="", help="service name to check ('' = the whole server)")
+    hc.add_argument("--timeout", type=float, default=5.0)
+    hc.add_argument("--tls-ca", type=Path, default=None, help="CA of the server certificate; enables TLS")
+    hc.add_argument("--tls-cert", type=Path, default=None, help="client certificate (mutual TLS)")
+    hc.add_argument("--tls-key", type=Path, default=None, help="key of --tls-cert")
+    hc.add_argument("--tls-server-name", default="", help="name checked against the server certificate")
+    hc.set_defaults(func=cmd_health)
 
     models = sub.add_parser("models", help="prepare (assemble, verify, convert) models into the cache")
     models.add_argument("action", choices=["prepare"])

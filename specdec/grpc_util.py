@@ -17,8 +17,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec.auth import ServerGuard
 from specdec.errors import SpecdecError
 from specdec.logging_util import log
+from specdec.tls import TlsServerConfig
 
 logger = logging.getLogger("specdec.grpc")
 
@@ -85,12 +87,17 @@ async def start_server(
     port: int,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     health_port: int = 0,
+    tls: TlsServerConfig | None = None,
+    guard: ServerGuard | None = None,
 ) -> ServerHandle:
     """Builds and starts a ``grpc.aio`` server with health (NOT_SERVING until
     the caller flips it) and reflection. ``port=0`` picks a free port.
     ``health_port`` > 0 also serves the same health status, and nothing else,
-    in plaintext on that port: Kubernetes' native gRPC probes cannot speak TLS."""
-    server = grpc.aio.server(options=server_options(max_message_bytes))
+    in plaintext on that port: Kubernetes' native gRPC probes cannot speak TLS.
+    ``tls`` serves TLS (mutual TLS with a client CA) instead of plaintext;
+    ``guard`` (default: parse errors and expired deadlines only) also
+    authenticates and limits calls (see specdec.auth)."""
+    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=[guard or ServerGuard()])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -99,7 +106,8 @@ async def start_server(
         reflection.SERVICE_NAME,
     ]
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if bound == 0:
         raise RuntimeError(f"could not bind {host}:{port}")
     await server.start()

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.tls import TlsServerConfig
+
 
 @dataclass
 class TargetServiceConfig:
@@ -28,3 +30,4 @@ class TargetServiceConfig:
     metrics_port: int = 0  # Prometheus /metrics HTTP port; 0 = off
     metrics_host: str = "127.0.0.1"
     health_port: int = 0  # plaintext port serving only grpc.health.v1 (kubelet probes when TLS is on); 0 = off
+    tls: TlsServerConfig | None = None  # None = plaintext; client_ca set = mutual TLS

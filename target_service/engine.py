@@ -235,6 +235,8 @@ class TargetEngine:
         if not token_ids:
             raise InvalidArgument("token_ids must not be empty")
         self.check_token_ids(token_ids, "token_ids")
+        if cfg.top_k > self.vocab_size:
+            raise InvalidArgument(f"sampling.top_k {cfg.top_k} exceeds the vocabulary size {self.vocab_size}")
         if len(token_ids) >= self.max_context:
             raise InvalidArgument(
                 f"prompt of {len(token_ids)} tokens does not fit the context of {self.max_context} tokens"

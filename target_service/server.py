@@ -51,6 +51,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
     def attach(self, engine: TargetEngine, tokenizer_fingerprint: str) -> None:
         self._engine = engine
         self.fingerprint = tokenizer_fingerprint
+        self.metrics.active_sessions.set_function(lambda: engine.num_sessions)  # exact at every scrape
 
     @property
     def engine(self) -> TargetEngine:
@@ -154,7 +155,6 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 
     def _gauges(self) -> None:
         e = self.engine
-        self.metrics.active_sessions.set(e.num_sessions)
         self.metrics.queue_depth.set(self.worker.pending)
         delta = e.evictions - self._evictions_seen
         if delta > 0:
@@ -238,6 +238,7 @@ async def start(config: TargetServiceConfig) -> TargetServer:
         config.port,
         config.max_message_bytes,
         health_port=config.health_port,
+        tls=config.tls,
     )
     log(logger, logging.INFO, "target service listening (loading model)", port=handle.port)
     try:

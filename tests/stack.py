@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_service.config import DraftServiceConfig, DrafterSpec
 from orchestrator.config import OrchestratorConfig
+from specdec.tls import TlsClientConfig, TlsServerConfig, sync_channel
 from specdec.v1 import draft_pb2_grpc, orchestrator_pb2 as pb, orchestrator_pb2_grpc, target_pb2_grpc
 from target_service.config import TargetServiceConfig
 
@@ -53,9 +54,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_serving(address: str, timeout_s: float = 300, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_serving(
+    address: str,
+    timeout_s: float = 300,
+    proc: subprocess.Popen[bytes] | None = None,
+    tls: TlsClientConfig | None = None,
+) -> None:
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
+    with sync_channel(address, tls) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
@@ -79,13 +85,14 @@ class Stack:
     orchestrator: Any
     draft_proc: subprocess.Popen[bytes] | None = None
     channels: list[grpc.Channel] = field(default_factory=list)
+    tls: TlsClientConfig | None = None  # what test clients use (CA + client certificate) when TLS is on
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.orchestrator.port}"
 
     def channel(self, address: str | None = None, **opts: Any) -> grpc.Channel:
-        ch = grpc.insecure_channel(address or self.address, options=list(opts.items()))
+        ch = sync_channel(address or self.address, self.tls, list(opts.items()))
         self.channels.append(ch)
         return ch
 
@@ -127,6 +134,29 @@ class Stack:
         raise AssertionError(
             f"sessions leaked: target={self.target_sessions()} draft={self.draft_sessions()}"
         )
+
+    def ports(self) -> list[int]:
+        return [s.port for s in (self.orchestrator, self.target, self.draft) if s is not None]
+
+    def health(self, port: int, service: str = "") -> int:
+        """The health status of the server on ``port`` (an open method: no token needed)."""
+        stub = health_pb2_grpc.HealthStub(self.channel(f"127.0.0.1:{port}"))
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+    def active_streams(self) -> int:
+        return self.orchestrator.servicer.active
+
+    def assert_clean(self, timeout_s: float = 10.0) -> None:
+        """Every server SERVING, no session left in either model service and no
+        Generate stream (nor per-client call slot) left in the orchestrator."""
+        for port in self.ports():
+            assert self.health(port) == health_pb2.HealthCheckResponse.SERVING, port
+        self.wait_no_sessions(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        guard = self.orchestrator.guard
+        while self.active_streams() or (guard is not None and guard.active):
+            assert time.monotonic() < deadline, f"streams left: {self.active_streams()}, {guard and dict(guard.active)}"
+            time.sleep(0.02)
 
     def close(self) -> None:
         for ch in self.channels:
@@ -191,14 +221,25 @@ def start_stack(
     drafters: list[DrafterSpec] | None = None,
     default_drafter: str | None = None,
     target_tokenizer: str | None = None,
+    tls_dir: Path | None = None,
 ) -> Stack:
     """``drafters`` (optional) replaces the single ``draft_dir`` drafter: the
     in-process draft service hosts all of them; ``target_tokenizer`` is what
-    tli / prompt-lookup drafters propose in (default: ``target_dir``)."""
+    tli / prompt-lookup drafters propose in (default: ``target_dir``).
+    ``tls_dir`` (scripts/gen_dev_certs.sh output) turns TLS on everywhere:
+    mutual TLS to draft and target, server TLS on the orchestrator; the
+    stack's test clients present ``client.crt``."""
     from draft_service.server import start as start_draft
     from orchestrator.server import start as start_orch
     from target_service.server import start as start_target
 
+    server_tls = client_tls = None
+    if tls_dir is not None:
+        server_tls = TlsServerConfig(tls_dir / "server.crt", tls_dir / "server.key", tls_dir / "ca.crt")
+        client_tls = TlsClientConfig(tls_dir / "ca.crt", tls_dir / "client.crt", tls_dir / "client.key")
+        target_overrides = {"tls": server_tls, **(target_overrides or {})}
+        orchestrator_overrides = {"tls": TlsServerConfig(server_tls.cert, server_tls.key), "upstream_tls": client_tls,
+                                  **(orchestrator_overrides or {})}
     loop = LoopThread()
     tcfg = TargetServiceConfig(model=str(target_dir), port=0, dtype=target_dtype, cache_dir=cache_dir,
                                **(target_overrides or {}))
@@ -214,7 +255,7 @@ def start_stack(
         dcfg = DraftServiceConfig(
             drafters=drafters or [DrafterSpec(name=draft_name, model=str(draft_dir), precision=draft_precision)],
             default_drafter=default_drafter, target_tokenizer=target_tokenizer or str(target_dir),
-            port=0, cache_dir=cache_dir,
+            port=0, cache_dir=cache_dir, tls=server_tls,
         )
         draft = loop.run(start_draft(dcfg))
         draft_addr = f"127.0.0.1:{draft.port}"
@@ -223,13 +264,27 @@ def start_stack(
                               tokenizer=str(target_dir), port=0, cache_dir=cache_dir,
                               **(orchestrator_overrides or {}))
     orch = loop.run(start_orch(ocfg))
-    stack = Stack(loop, target, draft, orch, proc)
+    stack = Stack(loop, target, draft, orch, proc, tls=client_tls)
     if draft_addr:  # wait until the orchestrator attached the draft
         deadline = time.monotonic() + 60
         while orch.servicer.draft is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert orch.servicer.draft is not None, "draft was not attached"
     return stack
+
+
+def scrape_metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A Prometheus /metrics endpoint as {(sample name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    return out
 
 
 def kill(proc: subprocess.Popen[bytes]) -> None:
@@ -281,17 +336,3 @@ def start_service_process(
         cmd += ["--dtype", dtype]
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
     return ServiceProcess(service, proc, port, metrics_port)
-
-
-def scrape_metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """One scrape of a Prometheus endpoint: {(sample name, sorted labels): value}."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for smp in fam.samples:
-            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
-    return out

@@ -7,8 +7,6 @@ import argparse
 import json
 from pathlib import Path
 
-import pytest
-
 from specdec import bench
 from tests.stack import start_stack
 

@@ -108,7 +108,7 @@ def test_health_info_propose_release(tiny_models: TinyModels, tiny_onnx: TinyOnn
 
             rel = await stub.Release(common_pb2.ReleaseRequest(session_id=sid))
             assert rel.released
-            assert await _code(stub.Release(common_pb2.ReleaseRequest(session_id=sid))) == grpc.StatusCode.NOT_FOUND
+            assert not (await stub.Release(common_pb2.ReleaseRequest(session_id=sid))).released  # idempotent
             req = draft_pb2.ProposeRequest(session_id=sid, base_len=0, new_token_ids=[1], num_tokens=1)
             assert await _code(stub.Propose(req)) == grpc.StatusCode.NOT_FOUND
             await stub.Release(common_pb2.ReleaseRequest(session_id=other.session_id))

@@ -224,3 +224,33 @@ def test_adaptive_learns_that_runs_continue() -> None:
     # the first drafted token: inside a run it is almost surely accepted, after
     # a rejection it starts a new run, which is short more often than not
     assert cont[0] > fresh[0] + 0.1, (cont[:3], fresh[:3])
+
+
+@pytest.mark.parametrize("rows,expect_speculation", [(1, True), (8, False)])
+def test_batched_target_load_turns_speculation_down(rows: int, expect_speculation: bool) -> None:
+    """The target batches ``rows`` requests into one pass costing
+    F = 200 ms + 6 ms per token. Each request's share of a pass is
+    A/B + b·k: alone (B = 1) speculation at α = 0.6 pays (E(2)/T(2) beats
+    plain decoding by ~1.5×); at B = 8 the fixed cost is shared, drafted
+    tokens still cost everyone 6 ms each plus 20 ms of drafting, and plain
+    decoding gives ≥ 15% more tokens per second than any γ > 0."""
+    rng = random.Random(5)
+    prior, costs = AcceptancePrior(), CostModel()
+    chosen: list[int] = []
+    for _ in range(3):
+        policy = AdaptivePolicy(prior, costs, AdaptiveConfig(gamma_max=8))
+        for _ in range(150):
+            g = policy.next_gamma()
+            chosen.append(g)
+            accepted = 0
+            while accepted < g and rng.random() < 0.6:
+                accepted += 1
+            batch_tokens = rows * (g + 1)  # the other rows draft alike
+            compute = (200.0 + 6.0 * batch_tokens) * rng.uniform(0.97, 1.03)
+            policy.observe(RoundObservation(gamma=g, accepted=accepted, draft_ms=20.0 * g + 1.0, draft_compute_ms=20.0 * g,
+                                            verify_ms=compute + 2.0, verify_compute_ms=compute, tokens_in_pass=g + 1,
+                                            batch_size=rows, batch_tokens=batch_tokens))
+    tail = chosen[-200:]
+    speculating = sum(1 for g in tail if g > 0) / len(tail)
+    # (γ = 0 rounds are interleaved with probes and Thompson exploration)
+    assert (speculating > 0.9) if expect_speculation else (speculating < 0.25), (rows, Counter(tail))
