@@ -20,9 +20,6 @@ from specdec.cli import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
 OVERLAYS = ["dev-cpu", "prod-gpu"]
-# flags of the TLS/auth interface (docs: /etc/specdec/{tls,auth}); implemented on another branch
-INTERFACE_FLAGS = {"--tls-cert", "--tls-key", "--tls-client-ca", "--upstream-ca", "--upstream-cert",
-                   "--upstream-key", "--upstream-server-name", "--auth-tokens-file"}
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
 
@@ -50,17 +47,8 @@ def container_args(docs: list[dict[str, Any]], dep: dict[str, Any]) -> list[str]
 
 
 def parse(args: list[str]) -> Any:
-    """Parses with the real CLI; interface flags this build lacks are checked for their paths and dropped."""
-    known = {opt for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions  # type: ignore[union-attr]
-             for opt in a.option_strings}
-    kept = []
-    for a in args:
-        flag = a.split("=", 1)[0]
-        if flag in INTERFACE_FLAGS and flag not in known:
-            assert a.split("=", 1)[1].startswith(("/etc/specdec/tls/", "/etc/specdec/auth/", "specdec-")), a
-            continue
-        kept.append(a)
-    return build_parser().parse_args(kept)
+    """Parses with the real CLI (argparse exits on an unknown flag)."""
+    return build_parser().parse_args(args)
 
 
 def flag(args: list[str], name: str) -> str:
@@ -172,13 +160,22 @@ def test_only_the_orchestrator_reaches_draft_and_target(overlay: Any) -> None:
         assert all(p["port"] == 9464 for r in scrape for p in r["ports"])
 
 
-def test_prod_gpu_target_gets_a_gpu_and_tls_auth_are_mounted() -> None:
+def test_prod_gpu_target_gets_a_gpu() -> None:
     docs = render("overlays/prod-gpu")
     deps = by_kind(docs, "Deployment")
     target = deps["specdec-target"]["spec"]["template"]["spec"]
     assert target["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert any(t["key"] == "nvidia.com/gpu" for t in target["tolerations"]) and target["nodeSelector"]
     assert parse(container_args(docs, deps["specdec-target"])).target_device == "cuda"
+    dev = by_kind(render("overlays/dev-cpu"), "Deployment")
+    assert "nvidia.com/gpu" not in dev["specdec-target"]["spec"]["template"]["spec"]["containers"][0]["resources"].get(
+        "limits", {})
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_tls_and_auth_are_on_in_every_overlay(overlay: str) -> None:
+    docs = render(f"overlays/{overlay}")
+    deps = by_kind(docs, "Deployment")
     for name, dep in deps.items():
         spec = dep["spec"]["template"]["spec"]
         mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
@@ -193,6 +190,4 @@ def test_prod_gpu_target_gets_a_gpu_and_tls_auth_are_mounted() -> None:
             assert flag(args, "--upstream-ca") == "/etc/specdec/tls/ca.crt"
         else:
             assert flag(args, "--tls-client-ca") == "/etc/specdec/tls/ca.crt"  # mutual TLS
-    dev = by_kind(render("overlays/dev-cpu"), "Deployment")
-    assert "nvidia.com/gpu" not in dev["specdec-target"]["spec"]["template"]["spec"]["containers"][0]["resources"].get(
-        "limits", {})
+        parse(args)
