@@ -74,11 +74,15 @@ def cluster(tiny_models, tiny_onnx, tmp_path_factory) -> Iterator[Cluster]:  # t
 
     cache = tiny_onnx.cache_dir
 
-    def start_draft() -> ServiceProcess:
-        return start_service_process("draft", tiny_models.draft, cache)
+    procs: list[ServiceProcess] = []  # every process started, killed at teardown
 
-    procs = [start_service_process("target", tiny_models.target, cache) for _ in range(2)]
-    procs += [start_draft() for _ in range(2)]
+    def start_draft() -> ServiceProcess:
+        procs.append(start_service_process("draft", tiny_models.draft, cache))
+        return procs[-1]
+
+    procs += [start_service_process("target", tiny_models.target, cache) for _ in range(2)]
+    for _ in range(2):
+        start_draft()
     loop = LoopThread()
     try:
         for p in procs:
