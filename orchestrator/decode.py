@@ -47,6 +47,8 @@ class VerifyReply:
     compute_ms: float
     queue_ms: float
     queue_depth: int = 0
+    batch_size: int = 1  # rows in the target's forward pass that served this call
+    batch_tokens: int = 0  # real input tokens in that forward pass
 
 
 @dataclass(frozen=True)
