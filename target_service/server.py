@@ -175,6 +175,7 @@ class TargetServer:
     worker: BatchScheduler
     reaper: asyncio.Task[None]
     metrics_port: int | None = None
+    servicer: TargetServicer | None = None
 
     @property
     def port(self) -> int:
@@ -265,4 +266,4 @@ async def start(config: TargetServiceConfig) -> TargetServer:
     reaper = asyncio.create_task(_reap(engine, worker, config.session_ttl_s))
     await handle.set_serving(True)
     log(logger, logging.INFO, "target service ready", port=handle.port, model=engine.model_name)
-    return TargetServer(handle, engine, worker, reaper, metrics_port)
+    return TargetServer(handle, engine, worker, reaper, metrics_port, servicer)
