@@ -378,6 +378,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return bench_main(a)
 
 
+def cmd_loadbench(a: argparse.Namespace) -> int:
+    from specdec.loadbench import main as loadbench_main
+
+    return loadbench_main(a)
+
+
 # ------------------------------------------------------------------ main
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding as gRPC services.")
@@ -458,6 +464,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bench)
     bench.set_defaults(func=cmd_bench)
+
+    load = sub.add_parser("loadbench", help="throughput and latency under 1..32 concurrent streams (batching, speculation on/off)")
+    from specdec.loadbench import add_arguments as add_load_arguments
+
+    add_load_arguments(load)
+    load.set_defaults(func=cmd_loadbench)
     return p
 
 
