@@ -24,17 +24,14 @@ import argparse
 import json
 import math
 import os
-import shlex
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from specdec.bench import REPO_PROMPTS
+from specdec.bench import REPO_PROMPTS, launched_stack
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -302,35 +299,6 @@ def config_label(max_batch: int, window_ms: float) -> str:
     return "unbatched" if max_batch == 1 else f"batch≤{max_batch}, window {window_ms:g} ms"
 
 
-def launch(a: argparse.Namespace, max_batch: int, window_ms: float) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, str]]]:
-    """Starts `specdec up` with this batching configuration (a generator: the
-    stack stops when it is closed)."""
-    ready = Path(tempfile.mkdtemp()) / "ready.json"
-    cmd = [sys.executable, "-m", "specdec.cli", "up", "--ready-file", str(ready), "--target-dtype", a.target_dtype,
-           "--port", "50071", "--target-port", "50073", "--draft-port", "50072", "--metrics-port", "9474",
-           "--target-max-batch-size", str(max_batch), "--target-batch-window-ms", str(window_ms)]
-    if a.target_model:
-        cmd += ["--target-model", a.target_model]
-    if a.draft_model:
-        cmd += ["--draft-model", a.draft_model]
-    if a.cache_dir:
-        cmd += ["--cache-dir", str(a.cache_dir)]
-    cmd += shlex.split(a.up_args)
-    proc = subprocess.Popen(cmd)
-    try:
-        while not ready.exists():
-            if proc.poll() is not None:
-                raise SystemExit("specdec loadbench: `specdec up` failed")
-            time.sleep(1)
-        yield proc, json.loads(ready.read_text())
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 # --------------------------------------------------------------- reporting
 HEADER = ("| config | mode | streams | requests (errors) | tokens/s | vs off | TTFT p50 / p99 ms | per-token p50 / p99 ms "
           "| mean batch | RSS peak MiB |\n|---|---|---|---|---|---|---|---|---|---|")
@@ -418,13 +386,11 @@ def main(a: argparse.Namespace) -> int:
     if a.launch:
         for max_batch, window in _parse_batch_configs(a.batch_configs):
             label = config_label(max_batch, window)
-            gen = launch(a, max_batch, window)
-            proc, addrs = next(gen)
-            try:
+            extra = ["--metrics-port", "9474", "--target-max-batch-size", str(max_batch),
+                     "--target-batch-window-ms", str(window)]
+            with launched_stack(a, extra, base_port=50071) as (proc, addrs):  # target metrics on 9474 + 2
                 got, series = run_config(addrs["orchestrator"], label, child_service_pids(proc.pid),
                                          a.target_metrics or "http://127.0.0.1:9476/metrics", prompts, a)
-            finally:
-                gen.close()
             rows += got
             rss[label] = series
     else:

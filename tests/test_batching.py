@@ -26,7 +26,7 @@ from specdec.sampling import SamplingConfig, process_logits
 from specdec.v1 import target_pb2
 from target_service.batching import BatchLimits, BatchScheduler, admissible_prefix
 from target_service.engine import PrefillCall, TargetEngine, VerifyCall, _Row
-from tests.stack import LoopThread, Stack, start_stack
+from tests.stack import Stack, start_stack
 
 
 # ----------------------------------------------------------- batch admission
