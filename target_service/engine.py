@@ -493,7 +493,8 @@ class TargetEngine:
         only = [r for _, r in rows]
         batched = len(only) > 1 and self._batchable(only)
         groups = [rows] if len(rows) == 1 or batched else [[x] for x in rows]
-        for group in groups:
+        while groups:
+            group = groups.pop(0)
             info = ForwardInfo(len(group), sum(len(r.ids) for _, r in group))
             try:
                 if len(group) == 1:
@@ -501,8 +502,13 @@ class TargetEngine:
                     logits = [self._forward(r.sess.cache, r.ids, r.keep)]
                 else:
                     logits = self._forward_batch([r for _, r in group])
-            except Exception as e:  # e.g. out of memory: the rows' caches are suspect
-                err = self._forward_error(e)
+            except Exception as e:
+                if len(group) > 1:  # the sessions' caches are untouched: retry the rows one by one
+                    log(logger, logging.WARNING, "batched forward failed; retrying unbatched",
+                        rows=len(group), error=repr(e))
+                    groups = [[x] for x in group] + groups
+                    continue
+                err = self._forward_error(e)  # e.g. out of memory; the row's cache is suspect
                 for i, r in group:
                     self.release(r.sess.session_id)
                     results[i] = (err, info)
@@ -514,6 +520,10 @@ class TargetEngine:
                     )
                     results[i] = (out, info)
                 except SpecdecError as e:
+                    results[i] = (e, info)
+                except Exception as e:  # a bug: fail this call alone; its session's state is suspect
+                    logger.exception("verification failed")
+                    self.release(r.sess.session_id)
                     results[i] = (e, info)
                 if len(group) > 1:
                     self._compact(r.sess)

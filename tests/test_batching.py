@@ -185,6 +185,38 @@ def test_one_bad_call_does_not_fail_its_batch(tiny_models) -> None:  # type: ign
     assert v.cache_len == 3
 
 
+class OutOfMemoryEngine(TargetEngine):
+    """The real engine with an injected out-of-memory failure: every batched
+    forward, and single-row forwards once ``fail_single`` is set."""
+
+    fail_single = False
+
+    def _forward_batch(self, rows: Any) -> Any:
+        raise RuntimeError("CUDA out of memory (injected)")
+
+    def _forward(self, *a: Any) -> Any:
+        if self.fail_single:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return super()._forward(*a)
+
+
+def test_failed_batched_forward_retries_rows_one_by_one(tiny_models) -> None:  # type: ignore[no-untyped-def]
+    engine = OutOfMemoryEngine(tiny_models.target, dtype="float32", max_sessions=16, kv_budget_tokens=4096)
+    ref = TargetEngine(tiny_models.target, dtype="float32", max_sessions=16, kv_budget_tokens=4096)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    pre = [o for o, _ in engine.run_batch([PrefillCall(p, SamplingConfig(), True) for p in prompts])]
+    want = [ref.prefill(p, SamplingConfig(), True) for p in prompts]
+    assert [o.next_token for o in pre] == [o.next_token for o in want]
+    outs = engine.run_batch([VerifyCall(o.session_id, o.cache_len, [o.next_token], [3, 4], [None] * 2) for o in pre])
+    expect = [ref.verify(o.session_id, o.cache_len, [o.next_token], [3, 4], [None] * 2) for o in want]
+    assert [(o.result, o.cache_len) for o, _ in outs] == [(e.result, e.cache_len) for e in expect]
+    assert [info.batch_size for _, info in outs] == [1, 1, 1]
+    engine.fail_single = True  # now even one row cannot run: RESOURCE_EXHAUSTED, and the session is dropped
+    (err, _), = engine.run_batch([VerifyCall(pre[0].session_id, outs[0][0].cache_len, [1], [], [])])
+    assert type(err).__name__ == "ResourceExhausted"
+    assert engine.num_sessions == 2
+
+
 # ---------------------------------------------------------------- end to end
 PROMPTS = ["hello world", "the quick brown fox", "a, b, c.", "zzz", "batching works", "one more prompt here!",
            "kv", "speculative decoding is lossless"]
