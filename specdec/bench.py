@@ -304,7 +304,8 @@ def category_table(rows: list[dict[str, Any]]) -> dict[tuple[str, tuple[str, str
     return {k: math.exp(statistics.fmean(math.log(max(x, 1e-9)) for x in v)) for k, v in acc.items()}
 
 
-def plots(res: dict[str, Any], out: Path) -> list[Path]:
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend; None (with a hint) when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -312,6 +313,13 @@ def plots(res: dict[str, Any], out: Path) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib missing: no plots (pip install '.[bench]')", file=sys.stderr)
+        return None
+    return plt
+
+
+def plots(res: dict[str, Any], out: Path) -> list[Path]:
+    plt = pyplot()
+    if plt is None:
         return []
     paths = []
     rows = res["rows"]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdec.bench import REPO_PROMPTS, launched_stack
+from specdec.bench import REPO_PROMPTS, launched_stack, pyplot
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -330,13 +330,8 @@ def to_markdown(res: dict[str, Any]) -> str:
 
 
 def plots(res: dict[str, Any], out: Path) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plots (pip install '.[bench]')", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return []
     rows = res["rows"]
     series = sorted({(r["config"], r["mode"]) for r in rows})
