@@ -406,8 +406,6 @@ class TargetEngine:
         return _Row(call, sess, list(token_ids), 1, 0)
 
     def _prepare_verify(self, call: VerifyCall, protect: set[str], reserved: int) -> _Row:
-        if call.session_id in protect:
-            raise FailedPrecondition(f"concurrent Verify calls for session {call.session_id!r} in one batch")
         sess = self._get(call.session_id)
         new_ids, draft_ids = call.new_ids, call.draft_ids
         if not new_ids:
@@ -472,7 +470,9 @@ class TargetEngine:
             (AssertionError("not run"), ForwardInfo(0, 0)) for _ in calls
         ]
         rows: list[tuple[int, _Row]] = []
-        protect: set[str] = set()
+        # sessions named in this batch are never evicted to make room for their batch-mates
+        protect: set[str] = {c.session_id for c in calls if isinstance(c, VerifyCall)}
+        seen: set[str] = set()
         reserved = 0
         new_sessions = 0
         for i, call in enumerate(calls):
@@ -481,7 +481,10 @@ class TargetEngine:
                     row = self._prepare_prefill(call, protect, reserved, new_sessions)
                     new_sessions += 1
                 else:
+                    if call.session_id in seen:
+                        raise FailedPrecondition(f"concurrent Verify calls for session {call.session_id!r} in one batch")
                     row = self._prepare_verify(call, protect, reserved)
+                    seen.add(call.session_id)  # a failed call left its session as it was
             except SpecdecError as e:
                 results[i] = (e, ForwardInfo(0, 0))
                 continue

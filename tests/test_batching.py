@@ -177,10 +177,12 @@ def test_one_bad_call_does_not_fail_its_batch(tiny_models) -> None:  # type: ign
         VerifyCall("missing", 0, [1], [], []),
         VerifyCall(b.session_id, 2, [1], [engine.vocab_size], [None]),  # id out of range
         PrefillCall([], SamplingConfig(), True),
+        VerifyCall(a.session_id, 3, [1], [], []),  # a second call of one session in one batch
     ]
     outs = engine.run_batch(calls)
     assert outs[0][0].result == expect.result and outs[0][0].cache_len == expect.cache_len
-    assert [type(o).__name__ for o, _ in outs[1:]] == ["FailedPrecondition", "NotFound", "InvalidArgument", "InvalidArgument"]
+    assert [type(o).__name__ for o, _ in outs[1:]] == [
+        "FailedPrecondition", "NotFound", "InvalidArgument", "InvalidArgument", "FailedPrecondition"]
     v = engine.verify(b.session_id, 2, [1], [], [])  # b untouched by its failed calls
     assert v.cache_len == 3
 
