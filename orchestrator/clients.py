@@ -93,6 +93,8 @@ class GrpcTargetClient(_GrpcClient):
             r.timings.compute_ms,
             r.timings.queue_ms,
             r.queue_depth,
+            r.timings.batch_size or 1,
+            r.timings.batch_tokens,
         )
 
 

@@ -48,6 +48,8 @@ class VerifyReply:
     compute_ms: float
     queue_ms: float
     queue_depth: int = 0
+    batch_size: int = 1  # rows in the target's forward pass that served this call
+    batch_tokens: int = 0  # real input tokens in that forward pass
 
 
 @dataclass(frozen=True)
@@ -312,6 +314,8 @@ class Decoder:
                 tokens_in_pass=tokens_in_pass,
                 queue_depth=verified.queue_depth,
                 continued=self._continued,
+                batch_size=verified.batch_size,
+                batch_tokens=verified.batch_tokens,
             )
             self._continued = 0 < len(draft_ids) == verified.num_accepted
             self.p.policy.observe(obs)

@@ -15,6 +15,7 @@ Writes ``results.json``, ``results.md`` and PNG plots into ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import shlex
@@ -24,7 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 REPO_PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "prompts.jsonl"
 
@@ -303,7 +304,8 @@ def category_table(rows: list[dict[str, Any]]) -> dict[tuple[str, tuple[str, str
     return {k: math.exp(statistics.fmean(math.log(max(x, 1e-9)) for x in v)) for k, v in acc.items()}
 
 
-def plots(res: dict[str, Any], out: Path) -> list[Path]:
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend; None (with a hint) when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -311,6 +313,13 @@ def plots(res: dict[str, Any], out: Path) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib missing: no plots (pip install '.[bench]')", file=sys.stderr)
+        return None
+    return plt
+
+
+def plots(res: dict[str, Any], out: Path) -> list[Path]:
+    plt = pyplot()
+    if plt is None:
         return []
     paths = []
     rows = res["rows"]
@@ -386,35 +395,45 @@ def plots(res: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
-def main(a: argparse.Namespace) -> int:
-    a.out.mkdir(parents=True, exist_ok=True)
-    proc = None
-    orch, target = a.address, a.target_address
-    if a.launch:
-        ready = Path(tempfile.mkdtemp()) / "ready.json"
-        cmd = [sys.executable, "-m", "specdec.cli", "up", "--ready-file", str(ready),
-               "--target-dtype", a.target_dtype, "--port", "50061", "--target-port", "50063", "--draft-port", "50062"]
-        if a.target_model:
-            cmd += ["--target-model", a.target_model]
-        if a.draft_model:
-            cmd += ["--draft-model", a.draft_model]
-        if a.cache_dir:
-            cmd += ["--cache-dir", str(a.cache_dir)]
-        cmd += shlex.split(a.up_args)
-        proc = subprocess.Popen(cmd)
+@contextlib.contextmanager
+def launched_stack(
+    a: argparse.Namespace, extra: Sequence[str] = (), base_port: int = 50061
+) -> Iterator[tuple["subprocess.Popen[bytes]", dict[str, str]]]:
+    """Runs `specdec up` (orchestrator on ``base_port``, draft +1, target +2)
+    with ``a``'s model flags, ``extra`` flags and ``a.up_args``; yields the
+    process and the service addresses once all are SERVING, stops it after."""
+    ready = Path(tempfile.mkdtemp()) / "ready.json"
+    cmd = [sys.executable, "-m", "specdec.cli", "up", "--ready-file", str(ready), "--target-dtype", a.target_dtype,
+           "--port", str(base_port), "--draft-port", str(base_port + 1), "--target-port", str(base_port + 2)]
+    if a.target_model:
+        cmd += ["--target-model", a.target_model]
+    if a.draft_model:
+        cmd += ["--draft-model", a.draft_model]
+    if a.cache_dir:
+        cmd += ["--cache-dir", str(a.cache_dir)]
+    cmd += list(extra) + shlex.split(a.up_args)
+    proc = subprocess.Popen(cmd)
+    try:
         while not ready.exists():
             if proc.poll() is not None:
-                print("specdec up failed", file=sys.stderr)
-                return 1
+                raise SystemExit("specdec up failed")
             time.sleep(1)
-        addrs = json.loads(ready.read_text())
-        orch, target = addrs["orchestrator"], addrs["target"]
-    try:
-        res = run_bench(a, orch, target)
+        yield proc, json.loads(ready.read_text())
     finally:
-        if proc is not None:
-            proc.terminate()
+        proc.terminate()
+        try:
             proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main(a: argparse.Namespace) -> int:
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.launch:
+        with launched_stack(a) as (_, addrs):
+            res = run_bench(a, addrs["orchestrator"], addrs["target"])
+    else:
+        res = run_bench(a, a.address, a.target_address)
     import platform
 
     import torch

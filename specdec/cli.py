@@ -39,6 +39,19 @@ def _add_target_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument(f"--{prefix}device", dest="target_device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument(f"--{prefix}threads", dest="target_threads", type=int, default=0, help="torch CPU threads (0 = all)")
     p.add_argument(f"--{prefix}kv-budget-tokens", dest="target_kv_budget", type=int, default=65_536)
+    _add_batch_flags(p, prefix)
+
+
+def _add_batch_flags(p: argparse._ActionsContainer, prefix: str = "") -> None:
+    """Target batching and admission flags (``specdec serve target`` and ``specdec up``)."""
+    p.add_argument(f"--{prefix}max-batch-size", dest="max_batch_size", type=int, default=16,
+                   help="target: calls from different sessions per forward pass (1 = unbatched)")
+    p.add_argument(f"--{prefix}batch-window-ms", dest="batch_window_ms", type=float, default=2.0,
+                   help="target: longest wait for more calls to batch after the oldest queued one")
+    p.add_argument(f"--{prefix}max-batch-tokens", dest="max_batch_tokens", type=int, default=512,
+                   help="target: padded input tokens per forward pass (rows x longest input)")
+    p.add_argument(f"--{prefix}max-queue", dest="max_queue", type=int, default=256,
+                   help="pending model calls before RESOURCE_EXHAUSTED")
 
 
 def _add_draft_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
@@ -117,6 +130,8 @@ def target_config(a: argparse.Namespace, port: int) -> Any:
         threads=a.target_threads, cache_dir=a.cache_dir, kv_budget_tokens=a.target_kv_budget,
         metrics_port=a.metrics_port, metrics_host=a.metrics_host, health_port=a.health_port,
         tls=_server_tls(a),
+        max_batch_size=a.max_batch_size, batch_window_ms=a.batch_window_ms,
+        max_batch_tokens=a.max_batch_tokens, max_queue=a.max_queue,
     )
 
 
@@ -148,6 +163,7 @@ def draft_config(a: argparse.Namespace, port: int) -> Any:
         allow_spinning=a.draft_spin == "on", metrics_port=a.metrics_port, metrics_host=a.metrics_host,
         health_port=a.health_port,
         tls=_server_tls(a),
+        max_queue=a.max_queue,
     )
 
 
@@ -252,6 +268,8 @@ def cmd_up(a: argparse.Namespace) -> int:
         "target": base + ["target", "--port", str(tport), "--model", a.target_model, "--dtype", a.target_dtype,
                           "--device", a.target_device, "--threads", str(a.target_threads),
                           "--kv-budget-tokens", str(a.target_kv_budget),
+                          "--max-batch-size", str(a.max_batch_size), "--batch-window-ms", str(a.batch_window_ms),
+                          "--max-batch-tokens", str(a.max_batch_tokens), "--max-queue", str(a.max_queue),
                           "--metrics-port", str(a.metrics_port + 2 if a.metrics_port else 0)] + common,
         "orchestrator": base + ["orchestrator", "--port", str(oport), "--target-address", f"127.0.0.1:{tport}",
                                 "--draft-address", "" if a.no_draft else f"127.0.0.1:{dport}",
@@ -458,6 +476,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return bench_main(a)
 
 
+def cmd_loadbench(a: argparse.Namespace) -> int:
+    from specdec.loadbench import main as loadbench_main
+
+    return loadbench_main(a)
+
+
 # ------------------------------------------------------------------ main
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding as gRPC services.")
@@ -495,6 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", dest="target_dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"], help="target dtype")
     m.add_argument("--device", dest="target_device", default="auto", help="target device: auto | cpu | cuda | cuda:N")
     m.add_argument("--kv-budget-tokens", dest="target_kv_budget", type=int, default=65_536, help="target KV budget")
+    _add_batch_flags(m)
     m.add_argument("--precision", dest="draft_precision", default="int4", choices=["int4", "int8", "fp32", "fp16"], help="draft ONNX precision")
     m.add_argument("--execution", dest="draft_execution", default="auto", choices=["auto", "cpu", "cuda"], help="draft execution provider")
     m.add_argument("--spin", dest="draft_spin", default="on", choices=["on", "off"], help="draft onnxruntime spin-waiting")
@@ -577,6 +602,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bench)
     bench.set_defaults(func=cmd_bench)
+
+    load = sub.add_parser("loadbench", help="throughput and latency under 1..32 concurrent streams (batching, speculation on/off)")
+    from specdec.loadbench import add_arguments as add_load_arguments
+
+    add_load_arguments(load)
+    load.set_defaults(func=cmd_loadbench)
     return p
 
 

@@ -152,6 +152,8 @@ class WorkTiming:
     queue_ms: float
     compute_ms: float
     queue_depth: int = 0  # jobs already pending when this one was submitted
+    batch_size: int = 1  # rows (calls) in the forward pass that served this job
+    batch_tokens: int = 0  # real input tokens in that forward pass (0 = not a forward)
 
 
 class ModelWorker:

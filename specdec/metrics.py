@@ -120,3 +120,32 @@ class ModelServiceMetrics:
         self.tokens.labels(method).inc(tokens)
         self.compute_time.labels(method).observe(compute_ms / 1e3)
         self.queue_time.labels(method).observe(queue_ms / 1e3)
+
+
+_BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+_BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@dataclass
+class BatchMetrics:
+    """The target's batched forward passes (registered on its service registry)."""
+
+    forwards: Counter
+    batch_size: Histogram
+    batch_tokens: Histogram
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry, service: str = "target") -> "BatchMetrics":
+        p = f"specdec_{service}"
+        return cls(
+            forwards=Counter(f"{p}_forward_passes", "Model forward passes (one per batch).", ["batched"], registry=registry),
+            batch_size=Histogram(f"{p}_batch_size", "Rows (calls from different sessions) per forward pass.",
+                                 buckets=_BATCH_SIZE_BUCKETS, registry=registry),
+            batch_tokens=Histogram(f"{p}_batch_tokens", "Real input tokens per forward pass.",
+                                   buckets=_BATCH_TOKEN_BUCKETS, registry=registry),
+        )
+
+    def observe(self, batch_size: int, batch_tokens: int) -> None:
+        self.forwards.labels("yes" if batch_size > 1 else "no").inc()
+        self.batch_size.observe(batch_size)
+        self.batch_tokens.observe(batch_tokens)

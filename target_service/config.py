@@ -24,7 +24,12 @@ class TargetServiceConfig:
     max_span: int = 32  # longest drafted span accepted by Verify
     max_draft_support: int = 4096  # largest sparse q accepted per position
     session_ttl_s: float = 600.0  # idle sessions are reaped after this
-    max_queue: int = 256  # pending model jobs before RESOURCE_EXHAUSTED
+    max_queue: int = 256  # pending model jobs (queued + running) before RESOURCE_EXHAUSTED
+    # Batched verification (target_service/batching.py): concurrent calls from
+    # different sessions share one forward pass. max_batch_size 1 = unbatched.
+    max_batch_size: int = 16  # rows (sessions) per forward pass
+    batch_window_ms: float = 2.0  # longest wait for more calls after the oldest queued one
+    max_batch_tokens: int = 512  # padded input tokens per forward pass (rows × longest input)
     max_message_bytes: int = 8 * 1024 * 1024
     warmup: bool = True
     metrics_port: int = 0  # Prometheus /metrics HTTP port; 0 = off

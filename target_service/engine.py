@@ -17,13 +17,14 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence, Union
 
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError
 from specdec.logging_util import log
 from specdec.sampling import (
     SamplingConfig,
@@ -79,6 +80,67 @@ class VerifyOutcome:
     result: VerifyResult
     cache_len: int
     logit_gaps: list[float]  # one per committed token (accepted + next)
+
+
+@dataclass(frozen=True)
+class PrefillCall:
+    """One Prefill request as the batch scheduler queues it."""
+
+    token_ids: list[int]
+    cfg: SamplingConfig
+    sample_next: bool
+    rng_offset: int = 0
+
+    session_id = ""  # a new session: never collides with another call in a batch
+
+    @property
+    def past_len(self) -> int:
+        return 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    """One Verify request as the batch scheduler queues it."""
+
+    session_id: str
+    cache_len: int
+    new_ids: list[int]
+    draft_ids: list[int]
+    draft_q: list[SparseQ | None]
+
+    @property
+    def past_len(self) -> int:
+        return self.cache_len
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.new_ids) + len(self.draft_ids)
+
+
+Call = Union[PrefillCall, VerifyCall]
+Outcome = Union[PrefillOutcome, VerifyOutcome]
+
+
+@dataclass(frozen=True)
+class ForwardInfo:
+    """The forward pass that served a call: rows (calls) in it and their real
+    (unpadded) input tokens."""
+
+    batch_size: int
+    batch_tokens: int
+
+
+@dataclass
+class _Row:
+    call: Call
+    sess: TargetSession
+    ids: list[int]  # tokens this forward appends to the session's cache
+    keep: int  # logits rows needed (the last ``keep`` positions of ``ids``)
+    past: int  # tokens already in the session's cache
 
 
 class TargetEngine:
@@ -165,11 +227,12 @@ class TargetEngine:
             log(logger, logging.INFO, "reaped idle sessions", count=len(stale))
         return len(stale)
 
-    def _make_room(self, new_tokens: int, keep: str | None = None) -> None:
-        """Evicts least-recently-used sessions until ``new_tokens`` fit the KV budget."""
+    def _make_room(self, new_tokens: int, keep: Collection[str] = ()) -> None:
+        """Evicts least-recently-used sessions (never those in ``keep``) until
+        ``new_tokens`` more fit the KV budget."""
         with self._lock:
             while self._sessions and self.cached_tokens + new_tokens > self.kv_budget_tokens:
-                victim = next((sid for sid in self._sessions if sid != keep), None)
+                victim = next((sid for sid in self._sessions if sid not in keep), None)
                 if victim is None:
                     break
                 del self._sessions[victim]
@@ -223,15 +286,94 @@ class TargetEngine:
         out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=keep, **{self._cache_kwarg: cache})
         return out.logits[0, -keep:].float()
 
+    @staticmethod
+    def _batchable(rows: Sequence[_Row]) -> bool:
+        """Rows can share one forward when every cache layer is a plain
+        (full-attention, growing) DynamicLayer: sliding-window or quantized
+        layers keep their own layout and run one row per forward."""
+        return all(type(layer) is DynamicLayer for r in rows for layer in r.sess.cache.layers)
+
+    @torch.inference_mode()
+    def _forward_batch(self, rows: Sequence[_Row]) -> list[torch.Tensor]:
+        """One forward pass over several sessions; returns each row's logits of
+        its last ``keep`` positions ([keep, V] float32) and leaves each
+        session's cache holding its past + ``ids`` (like :meth:`_forward`).
+
+        Layout, with P = max past and N = max new tokens: each session's past
+        KV is left-padded to P and its new tokens right-padded to N, so its real
+        positions are the contiguous range [P - past, P + n) of the batched
+        cache. A 2D attention mask zeroes the padding, position_ids carry each
+        row's own positions (past + j), and the causal mask (in cache
+        coordinates) does the rest. Padded query rows always see at least their
+        row's real tokens, so no softmax row is fully masked.
+        """
+        dev = self.device
+        b = len(rows)
+        p = max(r.past for r in rows)
+        n_max = max(len(r.ids) for r in rows)
+        input_ids = torch.zeros((b, n_max), dtype=torch.long)
+        positions = torch.empty((b, n_max), dtype=torch.long)
+        mask = torch.zeros((b, p + n_max), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r.ids)
+            input_ids[i, :n] = torch.tensor(r.ids, dtype=torch.long)
+            positions[i] = torch.arange(r.past, r.past + n_max)
+            mask[i, p - r.past : p + n] = 1
+        cache = DynamicCache(config=self.model.config)
+        if p > 0:
+            ref = next(r for r in rows if r.past > 0).sess.cache
+            for li, layer in enumerate(cache.layers):
+                src = ref.layers[li]
+                kshape = (b, src.keys.shape[1], p, src.keys.shape[3])
+                vshape = (b, src.values.shape[1], p, src.values.shape[3])
+                keys = src.keys.new_zeros(kshape)
+                values = src.values.new_zeros(vshape)
+                for i, r in enumerate(rows):
+                    if r.past:
+                        keys[i, :, p - r.past :] = r.sess.cache.layers[li].keys[0]
+                        values[i, :, p - r.past :] = r.sess.cache.layers[li].values[0]
+                layer.lazy_initialization(keys, values)
+                layer.keys, layer.values = keys, values
+        first = min(len(r.ids) - r.keep for r in rows)  # earliest position whose logits are needed
+        out = self.model(
+            input_ids=input_ids.to(dev),
+            attention_mask=mask.to(dev),
+            position_ids=positions.to(dev),
+            use_cache=True,
+            logits_to_keep=n_max - first,
+            **{self._cache_kwarg: cache},
+        )
+        logits: list[torch.Tensor] = []
+        for i, r in enumerate(rows):
+            n = len(r.ids)
+            lo = n - r.keep - first
+            logits.append(out.logits[i, lo : lo + r.keep].float())
+            for li, layer in enumerate(cache.layers):
+                dst = r.sess.cache.layers[li]
+                if not dst.is_initialized:
+                    dst.lazy_initialization(layer.keys, layer.values)
+                # views into the batched cache until _compact copies them out
+                dst.keys = layer.keys[i : i + 1, :, p - r.past : p + n]
+                dst.values = layer.values[i : i + 1, :, p - r.past : p + n]
+        return logits
+
+    @staticmethod
+    def _compact(sess: TargetSession) -> None:
+        """Copies a session's KV out of a batched cache (views would keep the
+        whole padded batch alive)."""
+        for layer in sess.cache.layers:
+            if layer.is_initialized and layer.keys is not None:
+                layer.keys = layer.keys.clone(memory_format=torch.contiguous_format)
+                layer.values = layer.values.clone(memory_format=torch.contiguous_format)
+
     def _pick(self, logits: torch.Tensor, sess: TargetSession) -> int:
         """One plain decoding step from logits [V]."""
         if sess.cfg.greedy:
             return int(torch.argmax(logits))
         return sample(process_logits(logits[None], sess.cfg)[0], sess.generator)
 
-    def prefill(
-        self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int = 0
-    ) -> PrefillOutcome:
+    def _prepare_prefill(self, call: PrefillCall, protect: set[str], reserved: int, new_sessions: int) -> _Row:
+        token_ids, cfg = call.token_ids, call.cfg
         if not token_ids:
             raise InvalidArgument("token_ids must not be empty")
         self.check_token_ids(token_ids, "token_ids")
@@ -246,29 +388,172 @@ class TargetEngine:
                 f"prompt of {len(token_ids)} tokens exceeds this replica's KV budget of {self.kv_budget_tokens} tokens"
             )
         with self._lock:
-            if len(self._sessions) >= self.max_sessions:
-                victim = next(iter(self._sessions))
+            while len(self._sessions) + new_sessions >= self.max_sessions:
+                victim = next((sid for sid in self._sessions if sid not in protect), None)
+                if victim is None:
+                    raise ResourceExhausted(
+                        f"all {self.max_sessions} target sessions are in use by the current batch"
+                    )
                 del self._sessions[victim]
                 self.evictions += 1
                 log(logger, logging.INFO, "evicted session for max_sessions", session_id=victim)
-        self._make_room(len(token_ids))
-        seed = None if cfg.seed is None else cfg.seed + rng_offset
+        self._make_room(reserved + len(token_ids), keep=protect)
+        seed = None if cfg.seed is None else cfg.seed + call.rng_offset
         sess = TargetSession(
             session_id=uuid.uuid4().hex,
             cfg=cfg,
             generator=make_generator(seed),
             cache=DynamicCache(config=self.model.config),
         )
-        logits = self._forward(sess.cache, token_ids, 1)
-        sess.cache_len = len(token_ids)
+        return _Row(call, sess, list(token_ids), 1, 0)
+
+    def _prepare_verify(self, call: VerifyCall, protect: set[str], reserved: int) -> _Row:
+        sess = self._get(call.session_id)
+        new_ids, draft_ids = call.new_ids, call.draft_ids
+        if not new_ids:
+            raise InvalidArgument("new_token_ids must hold at least one token")
+        if len(draft_ids) > self.max_span:
+            raise InvalidArgument(f"drafted span of {len(draft_ids)} exceeds the limit {self.max_span}")
+        self.check_token_ids(new_ids, "new_token_ids")
+        self.check_token_ids(draft_ids, "draft_token_ids")
+        if not sess.cfg.greedy:
+            self.check_draft_q(draft_ids, call.draft_q)
+        if call.cache_len != sess.cache_len:
+            raise FailedPrecondition(
+                f"cache_len mismatch: session holds {sess.cache_len} tokens, request assumes {call.cache_len}"
+            )
+        total = sess.cache_len + len(new_ids) + len(draft_ids)
+        if total >= self.max_context:
+            raise InvalidArgument(f"sequence of {total} tokens exceeds the context of {self.max_context} tokens")
+        self._make_room(reserved + len(new_ids) + len(draft_ids), keep=protect | {call.session_id})
+        return _Row(call, sess, list(new_ids) + list(draft_ids), len(draft_ids) + 1, sess.cache_len)
+
+    def _finish_prefill(self, row: _Row, logits: torch.Tensor) -> PrefillOutcome:
+        sess, call = row.sess, row.call
+        assert isinstance(call, PrefillCall)
+        sess.cache_len = len(call.token_ids)
         nxt: int | None = None
         gap = 0.0
-        if sample_next:
+        if call.sample_next:
             nxt = self._pick(logits[-1], sess)
             gap = logit_gaps(logits[-1:])[0]
         with self._lock:
             self._sessions[sess.session_id] = sess
         return PrefillOutcome(sess.session_id, nxt, gap, sess.cache_len)
+
+    def _finish_verify(self, row: _Row, rows: torch.Tensor) -> VerifyOutcome:
+        """``rows``: [γ+1, V] logits; row i scores draft_ids[i], row γ the bonus."""
+        sess, call = row.sess, row.call
+        assert isinstance(call, VerifyCall)
+        draft_ids = call.draft_ids
+        gamma = len(draft_ids)
+        if sess.cfg.greedy:
+            res = greedy_verify(draft_ids, torch.argmax(rows, dim=-1).tolist())
+        elif gamma == 0:
+            res = VerifyResult(0, self._pick(rows[0], sess), True)
+        else:
+            probs = process_logits(rows, sess.cfg)
+            res = rejection_sample(draft_ids, call.draft_q, probs, sess.generator)
+        keep = sess.cache_len + len(call.new_ids) + res.num_accepted
+        written = sess.cache_len + len(call.new_ids) + gamma
+        if written > keep:
+            sess.cache.crop(keep - written)  # negative: tokens to remove
+        sess.cache_len = keep
+        gaps = logit_gaps(rows[: res.num_accepted + 1])
+        return VerifyOutcome(res, keep, gaps)
+
+    def run_batch(self, calls: Sequence[Call]) -> list[tuple[Outcome | SpecdecError | Exception, ForwardInfo]]:
+        """Serves several Prefill/Verify calls (from different sessions) with one
+        forward pass. Each call is validated, verified and rolled back exactly
+        as on its own; a call that fails gets its own error, the others are
+        unaffected. Returns (outcome or error, the forward that served it) per
+        call, in order."""
+        results: list[tuple[Outcome | SpecdecError | Exception, ForwardInfo]] = [
+            (AssertionError("not run"), ForwardInfo(0, 0)) for _ in calls
+        ]
+        rows: list[tuple[int, _Row]] = []
+        # sessions named in this batch are never evicted to make room for their batch-mates
+        protect: set[str] = {c.session_id for c in calls if isinstance(c, VerifyCall)}
+        seen: set[str] = set()
+        reserved = 0
+        new_sessions = 0
+        for i, call in enumerate(calls):
+            try:
+                if isinstance(call, PrefillCall):
+                    row = self._prepare_prefill(call, protect, reserved, new_sessions)
+                    new_sessions += 1
+                else:
+                    if call.session_id in seen:
+                        raise FailedPrecondition(f"concurrent Verify calls for session {call.session_id!r} in one batch")
+                    row = self._prepare_verify(call, protect, reserved)
+                    seen.add(call.session_id)  # a failed call left its session as it was
+            except SpecdecError as e:
+                results[i] = (e, ForwardInfo(0, 0))
+                continue
+            protect.add(row.sess.session_id)
+            reserved += len(row.ids)
+            rows.append((i, row))
+        if not rows:
+            return results
+        only = [r for _, r in rows]
+        batched = len(only) > 1 and self._batchable(only)
+        groups = [rows] if len(rows) == 1 or batched else [[x] for x in rows]
+        while groups:
+            group = groups.pop(0)
+            info = ForwardInfo(len(group), sum(len(r.ids) for _, r in group))
+            try:
+                if len(group) == 1:
+                    _, r = group[0]
+                    logits = [self._forward(r.sess.cache, r.ids, r.keep)]
+                else:
+                    logits = self._forward_batch([r for _, r in group])
+            except Exception as e:
+                if len(group) > 1:  # the sessions' caches are untouched: retry the rows one by one
+                    log(logger, logging.WARNING, "batched forward failed; retrying unbatched",
+                        rows=len(group), error=repr(e))
+                    groups = [[x] for x in group] + groups
+                    continue
+                err = self._forward_error(e)  # e.g. out of memory; the row's cache is suspect
+                for i, r in group:
+                    self.release(r.sess.session_id)
+                    results[i] = (err, info)
+                continue
+            for (i, r), lg in zip(group, logits):
+                try:
+                    out: Outcome = (
+                        self._finish_prefill(r, lg) if isinstance(r.call, PrefillCall) else self._finish_verify(r, lg)
+                    )
+                    results[i] = (out, info)
+                except SpecdecError as e:
+                    results[i] = (e, info)
+                except Exception as e:  # a bug: fail this call alone; its session's state is suspect
+                    logger.exception("verification failed")
+                    self.release(r.sess.session_id)
+                    results[i] = (e, info)
+                if len(group) > 1:
+                    self._compact(r.sess)
+        return results
+
+    @staticmethod
+    def _forward_error(e: Exception) -> Exception:
+        if isinstance(e, MemoryError) or "out of memory" in str(e).lower():
+            log(logger, logging.ERROR, "forward pass out of memory", error=repr(e))
+            return ResourceExhausted("the target ran out of memory for this batch; retry")
+        logger.exception("forward pass failed")
+        return e
+
+    def _one(self, call: Call) -> Outcome:
+        out, _ = self.run_batch([call])[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def prefill(
+        self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int = 0
+    ) -> PrefillOutcome:
+        out = self._one(PrefillCall(list(token_ids), cfg, sample_next, rng_offset))
+        assert isinstance(out, PrefillOutcome)
+        return out
 
     def verify(
         self,
@@ -285,42 +570,9 @@ class TargetEngine:
         keeps new_ids + the accepted prefix; the next token is *not* cached
         (the caller sends it as the next round's new_ids).
         """
-        sess = self._get(session_id)
-        if not new_ids:
-            raise InvalidArgument("new_token_ids must hold at least one token")
-        if len(draft_ids) > self.max_span:
-            raise InvalidArgument(f"drafted span of {len(draft_ids)} exceeds the limit {self.max_span}")
-        self.check_token_ids(new_ids, "new_token_ids")
-        self.check_token_ids(draft_ids, "draft_token_ids")
-        if not sess.cfg.greedy:
-            self.check_draft_q(draft_ids, draft_q)
-        if cache_len != sess.cache_len:
-            raise FailedPrecondition(
-                f"cache_len mismatch: session holds {sess.cache_len} tokens, request assumes {cache_len}"
-            )
-        total = sess.cache_len + len(new_ids) + len(draft_ids)
-        if total >= self.max_context:
-            raise InvalidArgument(f"sequence of {total} tokens exceeds the context of {self.max_context} tokens")
-        self._make_room(len(new_ids) + len(draft_ids), keep=session_id)
-        with self._lock:
-            if session_id not in self._sessions:  # cannot happen (keep=), defensive
-                raise NotFound(f"target session {session_id!r} was evicted")
-        gamma = len(draft_ids)
-        rows = self._forward(sess.cache, list(new_ids) + list(draft_ids), gamma + 1)  # [γ+1, V]
-        if sess.cfg.greedy:
-            res = greedy_verify(draft_ids, torch.argmax(rows, dim=-1).tolist())
-        elif gamma == 0:
-            res = VerifyResult(0, self._pick(rows[0], sess), True)
-        else:
-            probs = process_logits(rows, sess.cfg)
-            res = rejection_sample(draft_ids, draft_q, probs, sess.generator)
-        keep = sess.cache_len + len(new_ids) + res.num_accepted
-        written = sess.cache_len + len(new_ids) + gamma
-        if written > keep:
-            sess.cache.crop(keep - written)  # negative: tokens to remove
-        sess.cache_len = keep
-        gaps = logit_gaps(rows[: res.num_accepted + 1])
-        return VerifyOutcome(res, keep, gaps)
+        out = self._one(VerifyCall(session_id, cache_len, list(new_ids), list(draft_ids), list(draft_q)))
+        assert isinstance(out, VerifyOutcome)
+        return out
 
 
 def _eos_ids(model: torch.nn.Module) -> list[int]:

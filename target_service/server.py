@@ -14,19 +14,22 @@ import grpc
 import numpy as np
 
 from specdec.errors import InvalidArgument, Unavailable
-from specdec.grpc_util import ModelWorker, ServerHandle, drain, start_server, translate_errors
+from specdec.grpc_util import ServerHandle, WorkTiming, drain, start_server, translate_errors
 from specdec.logging_util import log
-from specdec.metrics import ModelServiceMetrics, serve_metrics
+from specdec.metrics import BatchMetrics, ModelServiceMetrics, serve_metrics
 from specdec.sampling import SamplingConfig
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service.batching import BatchLimits, BatchReport, BatchScheduler
 from target_service.config import TargetServiceConfig
-from target_service.engine import SparseQ, TargetEngine
+from target_service.engine import PrefillCall, PrefillOutcome, SparseQ, TargetEngine, VerifyCall, VerifyOutcome
 
 logger = logging.getLogger("specdec.target")
 
 
-def _timings(t: object) -> common_pb2.Timings:
-    return common_pb2.Timings(queue_ms=t.queue_ms, compute_ms=t.compute_ms)  # type: ignore[attr-defined]
+def _timings(t: WorkTiming) -> common_pb2.Timings:
+    return common_pb2.Timings(
+        queue_ms=t.queue_ms, compute_ms=t.compute_ms, batch_size=t.batch_size, batch_tokens=t.batch_tokens
+    )
 
 
 def _sparse_q(msgs: object) -> list[SparseQ | None]:
@@ -37,12 +40,15 @@ def _sparse_q(msgs: object) -> list[SparseQ | None]:
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
-    """Answers UNAVAILABLE until ``engine`` is set (the model is loading)."""
+    """Answers UNAVAILABLE until ``engine`` is set (the model is loading).
+    Prefill and Verify go through the batch scheduler; other model jobs run
+    exclusively on its thread."""
 
-    def __init__(self, worker: ModelWorker) -> None:
+    def __init__(self, worker: BatchScheduler) -> None:
         self.worker = worker
         self.metrics = ModelServiceMetrics.create("target")
         self.metrics.queue_depth.set_function(lambda: self.worker.pending)  # live at every scrape (HPA input)
+        self.batch_metrics = BatchMetrics.create(self.metrics.registry)
         self._engine: TargetEngine | None = None
         self.fingerprint = ""
         self._evictions_seen = 0
@@ -84,8 +90,9 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             raise InvalidArgument("token_ids must not be empty")
         if self.draining:
             raise Unavailable("the target replica is shutting down; create the session on another replica")
+        self.engine  # UNAVAILABLE while loading
         job = asyncio.ensure_future(
-            self.worker.run(self.engine.prefill, ids, cfg, request.sample_next_token, int(request.rng_offset))
+            self.worker.submit(PrefillCall(ids, cfg, request.sample_next_token, int(request.rng_offset)))
         )
         try:
             out, t = await asyncio.shield(job)
@@ -115,14 +122,11 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         q = _sparse_q(request.draft_probs)
         if not q:
             q = [None] * len(draft_ids)  # a drafter without probabilities: one-hot q
-        out, t = await self.worker.run(
-            self.engine.verify,
-            request.session_id,
-            int(request.cache_len),
-            list(request.new_token_ids),
-            draft_ids,
-            q,
+        self.engine  # UNAVAILABLE while loading
+        out, t = await self.worker.submit(
+            VerifyCall(request.session_id, int(request.cache_len), list(request.new_token_ids), draft_ids, q)
         )
+        assert isinstance(out, VerifyOutcome)
         self.metrics.observe("verify", len(request.new_token_ids) + len(draft_ids), t.queue_ms, t.compute_ms)
         self._gauges()
         return target_pb2.VerifyResponse(
@@ -132,7 +136,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             cache_len=out.cache_len,
             logit_gaps=out.logit_gaps,
             timings=_timings(t),
-            batch_size=1,
+            batch_size=t.batch_size,
             queue_depth=t.queue_depth,
             active_sessions=self.engine.num_sessions,
         )
@@ -151,7 +155,13 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         if job.cancelled() or job.exception() is not None:
             return
         out, _ = job.result()
+        assert isinstance(out, PrefillOutcome)
         asyncio.ensure_future(self.worker.run(self.engine.release, out.session_id))
+
+    def on_batch(self, report: BatchReport) -> None:
+        """Called on the model thread after each forward pass."""
+        self.batch_metrics.observe(report.batch_size, report.batch_tokens)
+        self.metrics.queue_depth.set(report.queue_depth)
 
     def _gauges(self) -> None:
         e = self.engine
@@ -166,7 +176,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 class TargetServer:
     handle: ServerHandle
     engine: TargetEngine
-    worker: ModelWorker
+    worker: BatchScheduler
     reaper: asyncio.Task[None]
     metrics_port: int | None = None
     servicer: TargetServicer | None = None
@@ -190,7 +200,7 @@ class TargetServer:
         self.worker.shutdown()
 
 
-async def _reap(engine: TargetEngine, worker: ModelWorker, ttl_s: float) -> None:
+async def _reap(engine: TargetEngine, worker: BatchScheduler, ttl_s: float) -> None:
     while True:
         await asyncio.sleep(max(1.0, ttl_s / 4))
         await worker.run(engine.reap_idle, ttl_s)
@@ -221,16 +231,30 @@ def load_engine(config: TargetServiceConfig) -> tuple[TargetEngine, str]:
 
 
 def _warmup(engine: TargetEngine) -> None:
-    out = engine.prefill([0, 1, 2, 3], SamplingConfig(), True)
-    engine.verify(out.session_id, out.cache_len, [out.next_token or 0], [1, 2, 3, 4], [None] * 4)
-    engine.release(out.session_id)
+    """Batched prefill + verify, then an unbatched verify (kernels, allocations)."""
+    outs = [o for o, _ in engine.run_batch([PrefillCall([0, 1, 2, 3], SamplingConfig(), True)] * 2)]
+    if all(isinstance(o, PrefillOutcome) for o in outs):
+        vs = engine.run_batch([VerifyCall(o.session_id, o.cache_len, [o.next_token or 0], [1, 2], [None] * 2) for o in outs])
+        o, v = outs[0], vs[0][0]
+        if isinstance(v, VerifyOutcome):
+            engine.verify(o.session_id, v.cache_len, [v.result.next_token], [1, 2, 3, 4], [None] * 4)
+    for o in outs:
+        if isinstance(o, PrefillOutcome):
+            engine.release(o.session_id)
 
 
 async def start(config: TargetServiceConfig) -> TargetServer:
     """Binds the port (health NOT_SERVING), loads and warms the model off the
     event loop, then flips health to SERVING."""
-    worker = ModelWorker("target-model", max_queue=config.max_queue)
+    limits = BatchLimits(
+        max_batch_size=config.max_batch_size,
+        max_batch_tokens=config.max_batch_tokens,
+        max_batch_kv_tokens=config.kv_budget_tokens,
+        batch_window_ms=config.batch_window_ms,
+    )
+    worker = BatchScheduler("target-model", max_queue=config.max_queue, limits=limits)
     servicer = TargetServicer(worker)
+    worker.on_batch = servicer.on_batch
     handle = await start_server(
         lambda server: target_pb2_grpc.add_TargetServicer_to_server(servicer, server),
         [target_pb2.DESCRIPTOR.services_by_name["Target"].full_name],
@@ -250,6 +274,7 @@ async def start(config: TargetServiceConfig) -> TargetServer:
         worker.shutdown()
         raise
     servicer.attach(engine, fingerprint)
+    worker.attach(engine.run_batch)
     metrics_port = serve_metrics(servicer.metrics.registry, config.metrics_port, config.metrics_host)
     reaper = asyncio.create_task(_reap(engine, worker, config.session_ttl_s))
     await handle.set_serving(True)

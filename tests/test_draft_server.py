@@ -4,6 +4,7 @@ health, model info, propose/release, status codes, limits, no session leaks."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any, AsyncIterator
@@ -264,5 +265,30 @@ def test_not_serving_and_unavailable_while_loading(
                 assert r.status == health_pb2.HealthCheckResponse.SERVING
             finally:
                 await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_full_queue_is_resource_exhausted(tiny_models: TinyModels, tiny_onnx: TinyOnnx) -> None:
+    """With the model worker busy and max_queue calls pending, the next
+    Propose answers RESOURCE_EXHAUSTED; the queued calls then complete and
+    the service stays healthy (the orchestrator's round runs target-only)."""
+    async def main() -> None:
+        async with serve(_config(tiny_models, tiny_onnx, max_queue=2)) as (server, stub, channel):
+            gate = threading.Event()
+            blocker = asyncio.ensure_future(server.worker.run(gate.wait, 30))  # holds the model thread
+            sid = (await stub.CreateSession(draft_pb2.CreateDraftSessionRequest())).session_id
+            sid2 = (await stub.CreateSession(draft_pb2.CreateDraftSessionRequest())).session_id
+            queued = asyncio.ensure_future(stub.Propose(preq(sid, [1, 2, 3], 4)))
+            while server.worker.pending < 2:
+                await asyncio.sleep(0.01)
+            code = await _code(stub.Propose(preq(sid2, [1, 2, 3], 4)))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            gate.set()
+            await blocker
+            assert len((await queued).token_ids) == 4
+            assert len((await stub.Propose(preq(sid2, [1, 2, 3], 4))).token_ids) == 4
+            r = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+            assert r.status == health_pb2.HealthCheckResponse.SERVING
 
     asyncio.run(main())

@@ -19,12 +19,16 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ms", "compute_ms")
+    __slots__ = ("queue_ms", "compute_ms", "batch_size", "batch_tokens")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     compute_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    batch_size: int
+    batch_tokens: int
+    def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")
