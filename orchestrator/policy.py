@@ -287,8 +287,8 @@ class AdaptiveConfig:
     level_prior_strength: float = 16.0  # pseudo-tokens at level 1 (the shared estimates) in the request's level
     probe_every: int = 8  # rounds at γ = 0 before probing speculation again (doubles up to 64)
     probe_gamma: int = 1
-    thompson: bool = True  # sample α from its posterior each round (exploration) instead of using the mean
-    explore_every: int = 12  # every n-th speculative round tries a neighbouring γ (keeps the cost slope learnt)
+    thompson: bool = False  # sample α from its posterior each round (exploration) instead of using the mean
+    explore_every: int = 0  # every n-th speculative round tries a neighbouring γ (keeps the cost slope learnt)
     min_gain: float = 1.02  # speculate only when E/T beats plain decoding by this factor
     # Priors for the cost model before any measurement (ms); the draft/target
     # cost ratio on the reference CPU is about 0.1.

@@ -108,10 +108,10 @@ class Costs:
     time; per-call network + orchestration overhead."""
 
     verify_a: float = 215.0
-    verify_b: float = 5.5
-    draft_token: float = 27.0
+    verify_b: float = 13.0
+    draft_token: float = 21.0
     draft_rtt: float = 2.0
-    overhead: float = 6.0
+    overhead: float = 20.0
     noise: float = 0.06
 
     def verify(self, k: int, rng: random.Random) -> float:

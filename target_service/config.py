@@ -20,6 +20,9 @@ class TargetServiceConfig:
     cache_dir: Path | None = None  # model cache; None = specdec.models.default_cache_dir()
     max_sessions: int = 64
     kv_budget_tokens: int = 65_536  # total tokens held in KV caches; LRU eviction past it
+    # a new session never evicts one used within this many seconds; it gets
+    # RESOURCE_EXHAUSTED instead (admission control; 0 = plain LRU eviction)
+    kv_protect_active_s: float = 10.0
     max_context_tokens: int = 0  # 0 = the model's max_position_embeddings
     max_span: int = 32  # longest drafted span accepted by Verify
     max_draft_support: int = 4096  # largest sparse q accepted per position

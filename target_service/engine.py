@@ -155,6 +155,7 @@ class TargetEngine:
         threads: int = 0,
         max_sessions: int = 64,
         kv_budget_tokens: int = 65_536,
+        protect_active_s: float = 10.0,
         max_context_tokens: int = 0,
         max_span: int = 32,
         max_draft_support: int = 4096,
@@ -184,6 +185,10 @@ class TargetEngine:
         self.max_context = min(model_ctx, max_context_tokens) if max_context_tokens else model_ctx
         self.max_sessions = max_sessions
         self.kv_budget_tokens = kv_budget_tokens
+        # a new session never evicts one used within this many seconds: it is
+        # refused (RESOURCE_EXHAUSTED) instead, so that admission past the KV
+        # budget cannot make running requests thrash (0 = plain LRU)
+        self.protect_active_s = protect_active_s
         self.max_span = max_span
         self.max_draft_support = max_draft_support
         self.eos_token_ids = _eos_ids(self.model)
@@ -227,13 +232,31 @@ class TargetEngine:
             log(logger, logging.INFO, "reaped idle sessions", count=len(stale))
         return len(stale)
 
-    def _make_room(self, new_tokens: int, keep: Collection[str] = ()) -> None:
-        """Evicts least-recently-used sessions (never those in ``keep``) until
-        ``new_tokens`` more fit the KV budget."""
+    def _victim(self, keep: Collection[str], idle_s: float) -> str | None:
+        """The least recently used session not in ``keep`` and idle for at
+        least ``idle_s`` seconds (caller holds the lock)."""
+        now = time.monotonic()
+        for sid, sess in self._sessions.items():  # LRU first
+            if sid in keep:
+                continue
+            if now - sess.last_used < idle_s:
+                return None  # the rest were used even more recently
+            return sid
+        return None
+
+    def _make_room(self, new_tokens: int, keep: Collection[str] = (), idle_s: float = 0.0) -> None:
+        """Evicts least-recently-used sessions (never those in ``keep`` nor
+        any used within ``idle_s`` seconds) until ``new_tokens`` more fit the
+        KV budget; RESOURCE_EXHAUSTED when they cannot."""
         with self._lock:
-            while self._sessions and self.cached_tokens + new_tokens > self.kv_budget_tokens:
-                victim = next((sid for sid in self._sessions if sid not in keep), None)
+            while self.cached_tokens + new_tokens > self.kv_budget_tokens:
+                victim = self._victim(keep, idle_s)
                 if victim is None:
+                    if idle_s > 0:
+                        raise ResourceExhausted(
+                            f"the KV budget of {self.kv_budget_tokens} tokens is held by {len(self._sessions)} "
+                            f"sessions active in the last {idle_s:g} s; retry later or on another replica"
+                        )
                     break
                 del self._sessions[victim]
                 self.evictions += 1
@@ -389,15 +412,16 @@ class TargetEngine:
             )
         with self._lock:
             while len(self._sessions) + new_sessions >= self.max_sessions:
-                victim = next((sid for sid in self._sessions if sid not in protect), None)
+                victim = self._victim(protect, self.protect_active_s)
                 if victim is None:
                     raise ResourceExhausted(
-                        f"all {self.max_sessions} target sessions are in use by the current batch"
+                        f"all {self.max_sessions} target sessions are in use (by the current batch or within "
+                        f"the last {self.protect_active_s:g} s); retry later or on another replica"
                     )
                 del self._sessions[victim]
                 self.evictions += 1
                 log(logger, logging.INFO, "evicted session for max_sessions", session_id=victim)
-        self._make_room(reserved + len(token_ids), keep=protect)
+        self._make_room(reserved + len(token_ids), keep=protect, idle_s=self.protect_active_s)
         seed = None if cfg.seed is None else cfg.seed + call.rng_offset
         sess = TargetSession(
             session_id=uuid.uuid4().hex,

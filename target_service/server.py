@@ -221,6 +221,7 @@ def load_engine(config: TargetServiceConfig) -> tuple[TargetEngine, str]:
         threads=config.threads,
         max_sessions=config.max_sessions,
         kv_budget_tokens=config.kv_budget_tokens,
+        protect_active_s=config.kv_protect_active_s,
         max_context_tokens=config.max_context_tokens,
         max_span=config.max_span,
         max_draft_support=config.max_draft_support,

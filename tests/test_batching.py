@@ -312,7 +312,8 @@ def test_small_kv_budget_evicts_and_rebuilds_with_batching(tiny_models, onnx_cac
     target-only reference."""
     budget = 1800
     st = start_stack(tiny_models.target, tiny_models.draft, onnx_cache_dir,
-                     target_overrides={"kv_budget_tokens": budget, "max_batch_size": 8, "batch_window_ms": 5.0})
+                     target_overrides={"kv_budget_tokens": budget, "kv_protect_active_s": 0.0, "max_batch_size": 8,
+                                       "batch_window_ms": 5.0})
     try:
         expected = {p: st.generate(prompt=p, mode="off", max_new_tokens=120)["token_ids"] for p in PROMPTS}
         engine, sched = st.target.engine, st.target.worker

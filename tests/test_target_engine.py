@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec.errors import FailedPrecondition, InvalidArgument, NotFound
+from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specdec.sampling import SamplingConfig
 from target_service.engine import TargetEngine
 
@@ -125,3 +125,23 @@ def test_kv_budget_evicts_least_recently_used(tiny_dir: Path) -> None:
     eng.verify(b.session_id, b.cache_len, [1], [], [])
     eng.verify(c.session_id, c.cache_len, [1], [], [])
     assert eng.evictions == 1 and eng.num_sessions == 2
+
+
+@pytest.mark.parametrize("protect_s", [10.0, 0.0])
+def test_a_new_session_does_not_evict_active_ones(tiny_dir: Path, protect_s: float) -> None:
+    """Admission past the KV budget: with ``protect_active_s`` a new session
+    whose prompt does not fit is refused with RESOURCE_EXHAUSTED and the
+    running session keeps its cache; with 0 it evicts the LRU session
+    (which then answers NOT_FOUND and is rebuilt by the orchestrator)."""
+    eng = TargetEngine(tiny_dir, dtype="float32", max_sessions=8, kv_budget_tokens=100, protect_active_s=protect_s)
+    a = eng.prefill(list(range(1, 61)), SamplingConfig(), True)
+    if protect_s:
+        with pytest.raises(ResourceExhausted, match="active"):
+            eng.prefill(list(range(2, 62)), SamplingConfig(), True)
+        out = eng.verify(a.session_id, a.cache_len, [a.next_token], [], [])  # type: ignore[list-item]
+        assert out.cache_len == 61 and eng.num_sessions == 1
+    else:
+        b = eng.prefill(list(range(2, 62)), SamplingConfig(), True)
+        with pytest.raises(NotFound):
+            eng.verify(a.session_id, a.cache_len, [a.next_token], [], [])  # type: ignore[list-item]
+        assert eng.num_sessions == 1 and eng.evictions == 1 and b.cache_len == 60
