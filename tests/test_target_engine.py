@@ -134,14 +134,14 @@ def test_a_new_session_does_not_evict_active_ones(tiny_dir: Path, protect_s: flo
     running session keeps its cache; with 0 it evicts the LRU session
     (which then answers NOT_FOUND and is rebuilt by the orchestrator)."""
     eng = TargetEngine(tiny_dir, dtype="float32", max_sessions=8, kv_budget_tokens=100, protect_active_s=protect_s)
-    a = eng.prefill(list(range(1, 61)), SamplingConfig(), True)
+    a = eng.prefill([1 + i % 30 for i in range(60)], SamplingConfig(), True)
     if protect_s:
         with pytest.raises(ResourceExhausted, match="active"):
-            eng.prefill(list(range(2, 62)), SamplingConfig(), True)
+            eng.prefill([2 + i % 30 for i in range(60)], SamplingConfig(), True)
         out = eng.verify(a.session_id, a.cache_len, [a.next_token], [], [])  # type: ignore[list-item]
         assert out.cache_len == 61 and eng.num_sessions == 1
     else:
-        b = eng.prefill(list(range(2, 62)), SamplingConfig(), True)
+        b = eng.prefill([2 + i % 30 for i in range(60)], SamplingConfig(), True)
         with pytest.raises(NotFound):
             eng.verify(a.session_id, a.cache_len, [a.next_token], [], [])  # type: ignore[list-item]
         assert eng.num_sessions == 1 and eng.evictions == 1 and b.cache_len == 60
