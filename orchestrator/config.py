@@ -52,6 +52,12 @@ class OrchestratorConfig:
     health_port: int = 0  # plaintext port serving only grpc.health.v1 (kubelet probes when TLS is on); 0 = off
     adaptive_gamma_max: int = 16  # largest γ the adaptive policy considers (AUTO); ≤ max_num_draft_tokens
     min_confidence: float = 0.0  # default draft confidence early stop for AUTO (0 = off)
+    # AUTO speculates only while at most this many streams are active; past it
+    # rounds are plain decoding. -1 = from the target's device: 2 on CPU, where
+    # draft and target share the cores (measured crossover, docs/benchmarks.md
+    # "Load"), unlimited on accelerators, where the load-aware cost model
+    # decides; 0 = unlimited.
+    speculation_max_streams: int = -1
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     tls: TlsServerConfig | None = None  # public API TLS; None = plaintext
     upstream_tls: TlsClientConfig | None = None  # channels to draft/target; None = plaintext

@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 import threading
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 
 @dataclass(frozen=True)
@@ -315,10 +315,14 @@ class AdaptivePolicy:
         cfg: AdaptiveConfig | None = None,
         seed: int = 0,
         update_shared: bool = True,
+        allow: Callable[[], bool] | None = None,
     ) -> None:
         """``update_shared=False`` when something else (the orchestrator's
         stats path, which sees every request's rounds) feeds ``prior`` and
-        ``costs``; the policy then only keeps this request's own counts."""
+        ``costs``; the policy then only keeps this request's own counts.
+        ``allow`` (the server's load gate) is asked before every round;
+        while it says no, rounds are plain decoding (γ = 0)."""
+        self.allow = allow
         self.cfg = cfg or AdaptiveConfig()
         self.update_shared = update_shared
         self._rng = random.Random(seed)
@@ -390,6 +394,8 @@ class AdaptivePolicy:
 
     # ---------------------------------------------------------------- policy
     def next_gamma(self) -> int:
+        if self.allow is not None and not self.allow():
+            return 0
         scores = self.scores(sample=self.cfg.thompson)
         self.last_scores = scores
         best = max(range(1, self.cfg.gamma_max + 1), key=lambda g: scores[g])
@@ -453,6 +459,7 @@ class PolicyFactory:
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     priors: dict[str, AcceptancePrior] = field(default_factory=dict)
     costs: dict[str, CostModel] = field(default_factory=dict)
+    allow: Callable[[], bool] | None = None  # load gate handed to every adaptive policy
     _made: int = 0
 
     def make(self, mode: str, gamma: int, drafter: str) -> DraftLengthPolicy:
@@ -465,7 +472,7 @@ class PolicyFactory:
         cfg = AdaptiveConfig(**{**self.adaptive.__dict__, "gamma_max": gamma or self.adaptive.gamma_max})
         prior, costs = self._shared(drafter)
         self._made += 1
-        return AdaptivePolicy(prior, costs, cfg, seed=self._made, update_shared=False)
+        return AdaptivePolicy(prior, costs, cfg, seed=self._made, update_shared=False, allow=self.allow)
 
     def _shared(self, drafter: str) -> tuple[AcceptancePrior, CostModel]:
         cfg = self.adaptive

@@ -103,6 +103,16 @@ class RoutingMetrics:
         self.m.upstream_failures.labels(service, address).inc()
 
 
+def speculation_stream_limit(configured: int, target_device: str) -> int:
+    """The AUTO load gate: ``configured`` when set (≥ 0), else 2 for a CPU
+    target (draft and target share the cores, so speculation stops paying
+    past two concurrent streams on the reference machine) and unlimited (0)
+    on accelerators."""
+    if configured >= 0:
+        return configured
+    return 2 if target_device.startswith("cpu") else 0
+
+
 @dataclass
 class ModelLimits:
     vocab_size: int
@@ -136,6 +146,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.sink = MetricsSink(self.metrics, self.policies)
         self.default_drafter = ""
         self.metrics_port: int | None = None
+        self.speculation_max_streams = 0  # 0 = unlimited (set from the target at start)
+
+    def set_speculation_limit(self, max_streams: int) -> None:
+        """AUTO requests speculate only while at most ``max_streams`` streams
+        are active (0 = always): the load gate of every adaptive policy."""
+        self.speculation_max_streams = max_streams
+        self.policies.allow = (lambda: self.active <= max_streams) if max_streams > 0 else None
+        log(logger, logging.INFO, "speculation load gate", max_streams=max_streams or "unlimited")
 
     # ------------------------------------------------------------ validation
     def _prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
@@ -484,6 +502,7 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
         raise
     limits = ModelLimits(info.vocab_size, frozenset(info.eos_token_ids), info.max_context_tokens)
     servicer = OrchestratorServicer(config, tokenizer, target, None, limits, metrics)
+    servicer.set_speculation_limit(speculation_stream_limit(config.speculation_max_streams, info.device))
     servicer.metrics_port = serve_metrics(servicer.metrics.registry, config.metrics_port, config.metrics_host)
     holder["s"] = servicer
     tasks = []

@@ -184,6 +184,7 @@ def orchestrator_config(a: argparse.Namespace, port: int) -> Any:
         host=a.host, port=port, cache_dir=a.cache_dir, default_num_draft_tokens=a.num_draft_tokens,
         default_max_new_tokens=a.default_max_new_tokens, metrics_port=a.metrics_port,
         metrics_host=a.metrics_host, min_confidence=a.min_confidence, health_port=a.health_port,
+        speculation_max_streams=a.speculation_max_streams,
         routing=RoutingConfig(discovery_interval_s=a.discovery_interval, backoff_s=a.replica_backoff,
                               target_load_factor=a.target_load_factor),
         tls=_server_tls(a),
@@ -274,6 +275,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         "orchestrator": base + ["orchestrator", "--port", str(oport), "--target-address", f"127.0.0.1:{tport}",
                                 "--draft-address", "" if a.no_draft else f"127.0.0.1:{dport}",
                                 "--model", a.target_model, "--num-draft-tokens", str(a.num_draft_tokens),
+                                "--speculation-max-streams", str(a.speculation_max_streams),
                                 "--metrics-port", str(a.metrics_port)] + common,
     }
     if not a.no_draft:
@@ -495,6 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_flags(up, "target-")
     _add_draft_flags(up, "draft-")
     up.add_argument("--num-draft-tokens", type=int, default=4, help="default γ")
+    up.add_argument("--speculation-max-streams", type=int, default=-1,
+                    help="AUTO speculates only while at most this many streams are active "
+                         "(-1 = 2 for a CPU target, unlimited on accelerators; 0 = unlimited)")
     up.add_argument("--metrics-port", type=int, default=9464,
                     help="orchestrator /metrics port; draft and target use the next two (0 = off)")
     up.add_argument("--no-draft", action="store_true", help="run without a draft service (target-only)")
@@ -543,6 +548,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--default-max-new-tokens", type=int, default=256)
     o.add_argument("--min-confidence", type=float, default=0.0,
                    help="default draft confidence early stop for AUTO (0 = off)")
+    o.add_argument("--speculation-max-streams", type=int, default=-1,
+                   help="AUTO speculates only while at most this many streams are active "
+                        "(-1 = 2 for a CPU target, unlimited on accelerators; 0 = unlimited)")
     o.add_argument("--upstream-ca", type=Path, default=None,
                    help="CA that signs the draft/target certificates; enables TLS to them")
     o.add_argument("--upstream-cert", type=Path, default=None, help="client certificate for mutual TLS to draft/target")

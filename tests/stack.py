@@ -262,7 +262,8 @@ def start_stack(
     ocfg = OrchestratorConfig(target_addresses=[f"127.0.0.1:{target.port}"],
                               draft_addresses=[draft_addr] if draft_addr else [],
                               tokenizer=str(target_dir), port=0, cache_dir=cache_dir,
-                              **(orchestrator_overrides or {}))
+                              # tests exercise speculation under concurrency: no load gate
+                              **{"speculation_max_streams": 0, **(orchestrator_overrides or {})})
     orch = loop.run(start_orch(ocfg))
     stack = Stack(loop, target, draft, orch, proc, tls=client_tls)
     if draft_addr:  # wait until the orchestrator attached the draft

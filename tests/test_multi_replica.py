@@ -93,7 +93,7 @@ def cluster(tiny_models, tiny_onnx, tmp_path_factory) -> Iterator[Cluster]:  # t
         cfg = OrchestratorConfig(
             target_addresses=[t.address for t in targets], draft_addresses=[f"file://{eps}"],
             tokenizer=str(tiny_models.target), port=0, cache_dir=cache, metrics_port=free_port(),
-            draft_timeout_s=2.0, routing=RoutingConfig(discovery_interval_s=0.3, health_interval_s=0.2, backoff_s=1.0),
+            draft_timeout_s=2.0, speculation_max_streams=0, routing=RoutingConfig(discovery_interval_s=0.3, health_interval_s=0.2, backoff_s=1.0),
         )
         orch = loop.run(start_orch(cfg))
         stack = Stack(loop, None, None, orch)
