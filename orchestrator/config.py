@@ -58,6 +58,7 @@ class OrchestratorConfig:
     # "Load"), unlimited on accelerators, where the load-aware cost model
     # decides; 0 = unlimited.
     speculation_max_streams: int = -1
+    speculation_hold_s: float = 5.0  # ... and only after the load has stayed under it this long
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     tls: TlsServerConfig | None = None  # public API TLS; None = plaintext
     upstream_tls: TlsClientConfig | None = None  # channels to draft/target; None = plaintext

@@ -147,13 +147,30 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.default_drafter = ""
         self.metrics_port: int | None = None
         self.speculation_max_streams = 0  # 0 = unlimited (set from the target at start)
+        self._over_limit_at = -float("inf")  # last time more streams were active than the gate allows
 
-    def set_speculation_limit(self, max_streams: int) -> None:
+    def _note_load(self) -> None:
+        """Remembers when more streams than the load gate allows were active."""
+        if self.speculation_max_streams and self.active > self.speculation_max_streams:
+            self._over_limit_at = time.monotonic()
+
+    def set_speculation_limit(self, max_streams: int, hold_s: float | None = None) -> None:
         """AUTO requests speculate only while at most ``max_streams`` streams
-        are active (0 = always): the load gate of every adaptive policy."""
+        are active (0 = always), and only once the load has stayed at or under
+        it for ``hold_s`` seconds (hysteresis: the last streams of a busy
+        period do not start drafting, which would cost a draft catch-up over
+        their whole context for a few tokens): the load gate of every
+        adaptive policy."""
         self.speculation_max_streams = max_streams
-        self.policies.allow = (lambda: self.active <= max_streams) if max_streams > 0 else None
-        log(logger, logging.INFO, "speculation load gate", max_streams=max_streams or "unlimited")
+        hold = self.cfg.speculation_hold_s if hold_s is None else hold_s
+        self._over_limit_at = -float("inf")
+
+        def allow() -> bool:
+            self._note_load()
+            return time.monotonic() - self._over_limit_at >= hold
+
+        self.policies.allow = allow if max_streams > 0 else None
+        log(logger, logging.INFO, "speculation load gate", max_streams=max_streams or "unlimited", hold_s=hold)
 
     # ------------------------------------------------------------ validation
     def _prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
@@ -249,6 +266,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 f"too many concurrent streams ({self.cfg.max_concurrent_streams})",
             )
         self.active += 1
+        self._note_load()
         self.metrics.active_streams.inc()
         decoder: Decoder | None = None
         try:
@@ -263,6 +281,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         except SpecdecError as e:
             await context.abort(e.code, e.message)
         finally:
+            self._note_load()
             self.active -= 1
             self.metrics.active_streams.dec()
             if decoder is not None:

@@ -322,9 +322,10 @@ def test_health_and_reflection(stack: Stack) -> None:
 
 def test_speculation_load_gate(stack: Stack) -> None:
     """AUTO speculates only while at most ``speculation_max_streams``
-    streams are active: with the gate at 1, a request that runs while another
-    stream is open decodes plainly (no draft tokens) and still gives the
-    target's greedy output; alone, it speculates again."""
+    streams are active and the load has stayed there for ``hold_s``: with the
+    gate at 1, a request that runs while another stream is open decodes
+    plainly (no draft tokens) and still gives the target's greedy output; so
+    does one right after, within the hold; alone, it speculates again."""
     from orchestrator.server import speculation_stream_limit
 
     assert speculation_stream_limit(-1, "cpu") == 2 and speculation_stream_limit(-1, "cuda:0") == 0
@@ -332,7 +333,7 @@ def test_speculation_load_gate(stack: Stack) -> None:
     prompt = "def fib(n):"
     ref = stack.generate(prompt=prompt, mode="off", max_new_tokens=24, ignore_eos=True)["token_ids"]
     servicer = stack.orchestrator.servicer
-    servicer.set_speculation_limit(1)
+    servicer.set_speculation_limit(1, hold_s=60.0)
     try:
         held = stack.orch_stub().Generate(make_request(prompt=prompt, mode="off", max_new_tokens=4000, ignore_eos=True),
                                           timeout=300)
@@ -344,6 +345,9 @@ def test_speculation_load_gate(stack: Stack) -> None:
         deadline = time.monotonic() + 10
         while servicer.active and time.monotonic() < deadline:
             time.sleep(0.05)
+        after = stack.generate(prompt=prompt, mode="auto", max_new_tokens=24, ignore_eos=True)
+        assert after["token_ids"] == ref and after["stats"].draft_tokens == 0  # within the hold
+        servicer.set_speculation_limit(1, hold_s=0.0)
         alone = stack.generate(prompt=prompt, mode="auto", max_new_tokens=24, ignore_eos=True)
         assert alone["token_ids"] == ref
         assert alone["stats"].draft_tokens > 0
