@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=int, default=0, help="num_draft_tokens sent with the request (0 = server default)")
     p.add_argument("--requests-per-stream", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--warmup-tokens", type=int, default=16,
+                   help="before each stream count, that many streams run once with this many tokens, untimed (0 = off)")
     p.add_argument("--max-duration-s", type=float, default=600.0, help="per point: no new request starts after this")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="deadline of one request")
     p.add_argument("--prompts", type=Path, default=REPO_PROMPTS)
@@ -256,6 +258,12 @@ def run_config(address: str, label: str, pids: dict[str, int], metrics_url: str,
         for m in modes:
             _one_request_stub(address, prompts[0], m, a)
         for n in streams:
+            if a.warmup_tokens > 0:
+                # untimed: the same concurrency once, so new batch shapes and
+                # allocations are paid before either mode is measured (else
+                # whichever mode runs first at a stream count pays them)
+                warm = argparse.Namespace(**{**vars(a), "requests_per_stream": 1, "max_new_tokens": a.warmup_tokens})
+                run_point(address, prompts, n, "off", warm)
             for m in modes:
                 t_start = time.monotonic() - rss.t0
                 before = _scrape_batch(metrics_url)
