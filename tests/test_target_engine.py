@@ -116,7 +116,7 @@ def test_bad_inputs(engine: TargetEngine) -> None:
 
 
 def test_kv_budget_evicts_least_recently_used(tiny_dir: Path) -> None:
-    eng = TargetEngine(tiny_dir, dtype="float32", max_sessions=8, kv_budget_tokens=30)
+    eng = TargetEngine(tiny_dir, dtype="float32", max_sessions=8, kv_budget_tokens=30, protect_active_s=0.0)  # plain LRU
     a = eng.prefill([1] * 12, SamplingConfig(), True)
     b = eng.prefill([2] * 12, SamplingConfig(), True)
     c = eng.prefill([3] * 12, SamplingConfig(), True)  # evicts a
