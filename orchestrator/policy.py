@@ -227,12 +227,6 @@ class CostModel:
                 self._draft_rtt = self._draft_rtt * w + max(0.0, obs.draft_ms - compute)
                 self._draft_n = self._draft_n * w + 1.0
 
-    @property
-    def batch_rows(self) -> float:
-        """B: rows per target forward pass recently (1 = no batching)."""
-        with self._lock:
-            return self._rows / self._verify_n if self._verify_n > 1e-9 else 1.0
-
     def verify_ms(self, k: int) -> float | None:
         with self._lock:
             fit = self._verify.fit(self.verify_slope_ms)

@@ -179,6 +179,8 @@ def orchestrator_config(a: argparse.Namespace, port: int) -> Any:
         raise SystemExit("specdec: --target-address: at least one target is required")
     if a.target_load_factor < 1.0:
         raise SystemExit("specdec: --target-load-factor must be at least 1")
+    if a.speculation_max_streams < -1:
+        raise SystemExit("specdec: --speculation-max-streams must be -1 (auto), 0 (unlimited) or a positive count")
     return OrchestratorConfig(
         target_addresses=targets, draft_addresses=drafts, tokenizer=a.target_model,
         host=a.host, port=port, cache_dir=a.cache_dir, default_num_draft_tokens=a.num_draft_tokens,
