@@ -338,13 +338,16 @@ class ReplicaPool(Generic[C]):
         log(logger, logging.WARNING, "replica failed; backing off", service=self.service, address=r.address,
             backoff_s=backoff, error=error)
 
-    async def call(self, r: Replica[C], fn: Callable[[C], Awaitable[T]]) -> T:
-        """Runs one call on ``r``; UNAVAILABLE (including a dead connection) backs the replica off."""
+    async def call(self, r: Replica[C], fn: Callable[[C], Awaitable[T]], back_off: bool = True) -> T:
+        """Runs one call on ``r``; UNAVAILABLE (including a dead connection)
+        backs the replica off unless ``back_off`` is False (readiness polls:
+        a replica still loading its model has not failed)."""
         r.in_flight += 1
         try:
             result = await fn(r.client)
         except Unavailable as e:
-            self.mark_failed(r, e.message)
+            if back_off:
+                self.mark_failed(r, e.message)
             raise
         finally:
             r.in_flight -= 1
@@ -372,21 +375,23 @@ class ReplicaPool(Generic[C]):
         last = sorted(down, key=lambda r: (r.sessions + r.in_flight, r.address))
         return [self.replicas[a] for a in first] + last
 
-    async def first_success(self, order: list[Replica[C]], fn: Callable[[C], Awaitable[T]]) -> tuple[Replica[C], T]:
+    async def first_success(
+        self, order: list[Replica[C]], fn: Callable[[C], Awaitable[T]], back_off: bool = True
+    ) -> tuple[Replica[C], T]:
         """Tries ``fn`` on each replica in order; UNAVAILABLE and RESOURCE_EXHAUSTED move on."""
         if not order:
             raise Unavailable(f"no {self.service} replicas discovered from {', '.join(self.entries) or '(none)'}")
         last: SpecdecError | None = None
         for r in order:
             try:
-                return r, await self.call(r, fn)
+                return r, await self.call(r, fn, back_off)
             except (Unavailable, ResourceExhausted) as e:
                 last = e
         assert last is not None
         raise type(last)(f"no {self.service} replica could serve the call ({len(order)} tried); last: {last.message}")
 
     async def info(self, timeout: float | None = None) -> Any:
-        _, reply = await self.first_success(self.draft_order(), lambda c: c.info(timeout=timeout))
+        _, reply = await self.first_success(self.draft_order(), lambda c: c.info(timeout=timeout), back_off=False)
         return reply
 
 

@@ -104,13 +104,15 @@ class RoutingMetrics:
 
 
 def speculation_stream_limit(configured: int, target_device: str) -> int:
-    """The AUTO load gate: ``configured`` when set (≥ 0), else 2 for a CPU
-    target (draft and target share the cores, so speculation stops paying
-    past two concurrent streams on the reference machine) and unlimited (0)
-    on accelerators."""
+    """The AUTO load gate: ``configured`` when set (≥ 0), else 1 for a CPU
+    target and unlimited (0) on accelerators. On a CPU target draft and
+    target share the cores and batching already fills them at two streams:
+    on the reference machine speculation at two streams measured between
+    0.74× and 1.15× of plain decoding (docs/benchmarks.md, "Load"), so by
+    default it runs only while one stream is active."""
     if configured >= 0:
         return configured
-    return 2 if target_device.startswith("cpu") else 0
+    return 1 if target_device.startswith("cpu") else 0
 
 
 @dataclass

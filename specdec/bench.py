@@ -42,7 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gammas", default="4", help="comma-separated fixed γ values (SPECULATION_MODE_FIXED)")
     p.add_argument("--policies", default="", help="comma-separated adaptive modes to run too: auto, heuristic")
     p.add_argument("--drafters", default="", help="comma-separated drafter names (default: the service default)")
-    p.add_argument("--repeats", type=int, default=1, help="runs per configuration (the fastest is kept)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per configuration (the fastest is kept); the repeats of one prompt go round its "
+                        "configurations in alternating order, so a slow spell of the machine hits one run of each")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     p.add_argument("--no-cost-curve", action="store_true")
@@ -185,9 +187,20 @@ def acceptance_per_position(gammas: list[int], accepted: list[int], n: int = 8) 
     return out
 
 
-def _best_of(stub: Any, prompt: dict[str, Any], mode: str, gamma: int, max_new: int, drafter: str, repeats: int) -> dict[str, Any]:
-    runs = [_generate(stub, prompt, mode, gamma, max_new, drafter) for _ in range(max(1, repeats))]
-    return max(runs, key=lambda r: r["tokens_per_second"])
+def _best_of_rounds(
+    stub: Any, prompt: dict[str, Any], schedule: list[tuple[str, int, str]], max_new: int, repeats: int
+) -> dict[tuple[str, int, str], dict[str, Any]]:
+    """Runs every (mode, γ, drafter) of ``schedule`` ``repeats`` times, going
+    round the schedule forwards, then backwards, ...; keeps each one's
+    fastest run. Interleaving (rather than back-to-back repeats) spreads a
+    slow spell of a shared machine over all configurations."""
+    best: dict[tuple[str, int, str], dict[str, Any]] = {}
+    for rep in range(max(1, repeats)):
+        for key in schedule if rep % 2 == 0 else schedule[::-1]:
+            run = _generate(stub, prompt, key[0], key[1], max_new, key[2])
+            if key not in best or run["tokens_per_second"] > best[key]["tokens_per_second"]:
+                best[key] = run
+    return best
 
 
 def run_bench(a: argparse.Namespace, orch: str, target: str) -> dict[str, Any]:
@@ -207,11 +220,13 @@ def run_bench(a: argparse.Namespace, orch: str, target: str) -> dict[str, Any]:
         for d in drafters:
             _generate(stub, {"prompt": "hello", "chat": False}, "fixed", 2, 4, d)  # warm-up
         for prompt in prompts:
-            ref = _best_of(stub, prompt, "off", 0, a.max_new_tokens, "", a.repeats)
+            schedule = [("off", 0, "")] + [(mode, g, d) for d in drafters for mode, g in configs]
+            runs = _best_of_rounds(stub, prompt, schedule, a.max_new_tokens, a.repeats)
+            ref = runs[("off", 0, "")]
             t_target = ref["verify_ms"] / max(1, ref["rounds"] + 1)  # prefill counted as one step
             for drafter in drafters:
                 for mode, g in configs:
-                    run = _best_of(stub, prompt, mode, g, a.max_new_tokens, drafter, a.repeats)
+                    run = runs[(mode, g, drafter)]
                     t_draft_tok = run["draft_ms"] / max(1, run["draft_tokens"])
                     c = t_draft_tok / t_target if t_target > 0 else float("nan")
                     spec_rounds = [x for x in run["gamma_trajectory"] if x > 0]

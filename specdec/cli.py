@@ -48,6 +48,9 @@ def _add_batch_flags(p: argparse._ActionsContainer, prefix: str = "") -> None:
                    help="target: calls from different sessions per forward pass (1 = unbatched)")
     p.add_argument(f"--{prefix}batch-window-ms", dest="batch_window_ms", type=float, default=2.0,
                    help="target: longest wait for more calls to batch after the oldest queued one")
+    p.add_argument(f"--{prefix}batch-regroup-ms", dest="batch_regroup_ms", type=float, default=25.0,
+                   help="target: after a forward pass, longest wait for the sessions it served to send their "
+                        "next call, so streams in lockstep share one batch (at most 10%% of the pass; 0 = off)")
     p.add_argument(f"--{prefix}max-batch-tokens", dest="max_batch_tokens", type=int, default=512,
                    help="target: padded input tokens per forward pass (rows x longest input)")
     p.add_argument(f"--{prefix}max-queue", dest="max_queue", type=int, default=256,
@@ -130,7 +133,7 @@ def target_config(a: argparse.Namespace, port: int) -> Any:
         threads=a.target_threads, cache_dir=a.cache_dir, kv_budget_tokens=a.target_kv_budget,
         metrics_port=a.metrics_port, metrics_host=a.metrics_host, health_port=a.health_port,
         tls=_server_tls(a),
-        max_batch_size=a.max_batch_size, batch_window_ms=a.batch_window_ms,
+        max_batch_size=a.max_batch_size, batch_window_ms=a.batch_window_ms, batch_regroup_ms=a.batch_regroup_ms,
         max_batch_tokens=a.max_batch_tokens, max_queue=a.max_queue,
     )
 
@@ -272,6 +275,7 @@ def cmd_up(a: argparse.Namespace) -> int:
                           "--device", a.target_device, "--threads", str(a.target_threads),
                           "--kv-budget-tokens", str(a.target_kv_budget),
                           "--max-batch-size", str(a.max_batch_size), "--batch-window-ms", str(a.batch_window_ms),
+                          "--batch-regroup-ms", str(a.batch_regroup_ms),
                           "--max-batch-tokens", str(a.max_batch_tokens), "--max-queue", str(a.max_queue),
                           "--metrics-port", str(a.metrics_port + 2 if a.metrics_port else 0)] + common,
         "orchestrator": base + ["orchestrator", "--port", str(oport), "--target-address", f"127.0.0.1:{tport}",
@@ -501,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--num-draft-tokens", type=int, default=4, help="default γ")
     up.add_argument("--speculation-max-streams", type=int, default=-1,
                     help="AUTO speculates only while at most this many streams are active "
-                         "(-1 = 2 for a CPU target, unlimited on accelerators; 0 = unlimited)")
+                         "(-1 = 1 for a CPU target, unlimited on accelerators; 0 = unlimited)")
     up.add_argument("--metrics-port", type=int, default=9464,
                     help="orchestrator /metrics port; draft and target use the next two (0 = off)")
     up.add_argument("--no-draft", action="store_true", help="run without a draft service (target-only)")
@@ -552,7 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default draft confidence early stop for AUTO (0 = off)")
     o.add_argument("--speculation-max-streams", type=int, default=-1,
                    help="AUTO speculates only while at most this many streams are active "
-                        "(-1 = 2 for a CPU target, unlimited on accelerators; 0 = unlimited)")
+                        "(-1 = 1 for a CPU target, unlimited on accelerators; 0 = unlimited)")
     o.add_argument("--upstream-ca", type=Path, default=None,
                    help="CA that signs the draft/target certificates; enables TLS to them")
     o.add_argument("--upstream-cert", type=Path, default=None, help="client certificate for mutual TLS to draft/target")

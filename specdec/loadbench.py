@@ -3,8 +3,9 @@
 A bounded, closed-loop load generator: for each number of concurrent streams
 (default 1, 2, 4, 8, 16, 32), each stream sends ``--requests-per-stream``
 Generate calls back to back (greedy, ``ignore_eos``, ``--max-new-tokens``
-each; no new request starts after ``--max-duration-s``), once per speculation
-mode (default AUTO and OFF). With ``--launch`` it starts the stack (``specdec
+each; no new request starts after ``--max-duration-s``), for each speculation
+mode (default AUTO and OFF), ``--repeats`` times in ABBA order (AUTO, OFF,
+OFF, AUTO, ...) so slow drift on a shared machine does not favour a mode. With ``--launch`` it starts the stack (``specdec
 up``) once per target batching configuration (``--batch-configs``, pairs of
 max_batch_size:batch_window_ms; 1:0 = unbatched), so batching on and off and
 several windows are measured against each other; otherwise it measures the
@@ -39,11 +40,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launch", action="store_true",
                    help="start `specdec up` for each --batch-configs entry and stop it after")
     p.add_argument("--batch-configs", default="1:0,16:2",
-                   help="with --launch: comma-separated max_batch_size:batch_window_ms pairs (1:0 = unbatched)")
+                   help="with --launch: comma-separated max_batch_size:batch_window_ms[:batch_regroup_ms] "
+                        "(1:0 = unbatched; regroup omitted = the target's default)")
     p.add_argument("--streams", default="1,2,4,8,16,32", help="comma-separated concurrent stream counts")
     p.add_argument("--modes", default="auto,off", help="comma-separated speculation modes: auto, off, fixed, heuristic")
     p.add_argument("--gamma", type=int, default=0, help="num_draft_tokens sent with the request (0 = server default)")
     p.add_argument("--requests-per-stream", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs of each mode per stream count, in ABBA order; rows pool them, "
+                        "'vs off' shows the pooled ratio and the range of the back-to-back pairs")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--warmup-tokens", type=int, default=16,
                    help="before each stream count, that many streams run once with this many tokens, untimed (0 = off)")
@@ -182,8 +187,10 @@ def percentile(xs: list[float], q: float) -> float | None:
     return s[k]
 
 
-def run_point(address: str, prompts: list[dict[str, Any]], streams: int, mode: str, a: argparse.Namespace) -> dict[str, Any]:
-    """``streams`` closed-loop clients, ``a.requests_per_stream`` requests each."""
+def run_point(address: str, prompts: list[dict[str, Any]], streams: int, mode: str,
+              a: argparse.Namespace) -> tuple[list[RequestResult], float]:
+    """``streams`` closed-loop clients, ``a.requests_per_stream`` requests
+    each: every request's result and the wall time of the whole point."""
     import grpc
 
     from specdec.v1 import orchestrator_pb2_grpc
@@ -210,6 +217,15 @@ def run_point(address: str, prompts: list[dict[str, Any]], streams: int, mode: s
         for t in threads:
             t.join()
         wall = time.perf_counter() - t0
+    return results, wall
+
+
+def summarise(streams: int, mode: str, runs: list[tuple[list[RequestResult], float]]) -> dict[str, Any]:
+    """One row from the repeats of a point: throughput is all tokens over all
+    wall time, latency percentiles over the pooled requests, and each
+    repeat's own throughput (its spread is the run-to-run noise)."""
+    results = [r for rs, _ in runs for r in rs]
+    wall = sum(w for _, w in runs)
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_ms for r in ok if r.tokens]
     tpot = [r.tpot_ms for r in ok if r.tpot_ms is not None]
@@ -221,6 +237,7 @@ def run_point(address: str, prompts: list[dict[str, Any]], streams: int, mode: s
     return {
         "streams": streams, "mode": mode, "requests": len(results), "ok": len(ok), "errors": errors,
         "tokens": tokens, "wall_s": wall, "throughput_tok_s": tokens / wall if wall > 0 else 0.0,
+        "throughput_reps": [sum(r.tokens for r in rs if r.ok) / w if w > 0 else 0.0 for rs, w in runs],
         "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
         "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99),
     }
@@ -264,17 +281,24 @@ def run_config(address: str, label: str, pids: dict[str, int], metrics_url: str,
                 # whichever mode runs first at a stream count pays them)
                 warm = argparse.Namespace(**{**vars(a), "requests_per_stream": 1, "max_new_tokens": a.warmup_tokens})
                 run_point(address, prompts, n, "off", warm)
+            runs: dict[str, list[tuple[list[RequestResult], float]]] = {m: [] for m in modes}
+            batch = {m: [0.0, 0.0] for m in modes}  # batch-size histogram sum, count
+            t_start = time.monotonic() - rss.t0
+            for rep in range(max(1, a.repeats)):
+                # ABBA order: a drift over the run (heat, caches, a neighbour)
+                # falls on both modes alike instead of on whichever runs first
+                for m in modes if rep % 2 == 0 else modes[::-1]:
+                    before = _scrape_batch(metrics_url)
+                    runs[m].append(run_point(address, prompts, n, m, a))
+                    after = _scrape_batch(metrics_url)
+                    rss.sample()
+                    if before and after:
+                        batch[m][0] += after[0] - before[0]
+                        batch[m][1] += after[1] - before[1]
             for m in modes:
-                t_start = time.monotonic() - rss.t0
-                before = _scrape_batch(metrics_url)
-                row = run_point(address, prompts, n, m, a)
-                after = _scrape_batch(metrics_url)
-                rss.sample()
+                row = summarise(n, m, runs[m])
                 row["config"] = label
-                row["mean_batch_size"] = (
-                    (after[0] - before[0]) / (after[1] - before[1])
-                    if before and after and after[1] > before[1] else None
-                )
+                row["mean_batch_size"] = batch[m][0] / batch[m][1] if batch[m][1] > 0 else None
                 row["rss_peak_mb"] = rss.peak_since(t_start)
                 rows.append(row)
                 print(_md_row(row), flush=True)
@@ -291,20 +315,25 @@ def _one_request_stub(address: str, prompt: dict[str, Any], mode: str, a: argpar
 
 
 # -------------------------------------------------------------- launching
-def _parse_batch_configs(spec: str) -> list[tuple[int, float]]:
-    out = []
+def _parse_batch_configs(spec: str) -> list[tuple[int, float, float | None]]:
+    """``size:window_ms[:regroup_ms]`` items (regroup omitted = the server default)."""
+    out: list[tuple[int, float, float | None]] = []
     for item in spec.split(","):
         if not item.strip():
             continue
-        size, _, window = item.partition(":")
-        out.append((int(size), float(window or 0)))
+        size, _, rest = item.partition(":")
+        window, _, regroup = rest.partition(":")
+        out.append((int(size), float(window or 0), float(regroup) if regroup else None))
     if not out:
         raise SystemExit("specdec loadbench: --batch-configs is empty")
     return out
 
 
-def config_label(max_batch: int, window_ms: float) -> str:
-    return "unbatched" if max_batch == 1 else f"batch≤{max_batch}, window {window_ms:g} ms"
+def config_label(max_batch: int, window_ms: float, regroup_ms: float | None = None) -> str:
+    if max_batch == 1:
+        return "unbatched"
+    label = f"batch≤{max_batch}, window {window_ms:g} ms"
+    return label if regroup_ms is None else f"{label}, regroup {regroup_ms:g} ms"
 
 
 # --------------------------------------------------------------- reporting
@@ -320,16 +349,26 @@ def _md_row(r: dict[str, Any]) -> str:
     errs = sum(r["errors"].values())
     rss = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r.get("rss_peak_mb", {}).items()))
     return (f"| {r['config']} | {r['mode']} | {r['streams']} | {r['requests']} ({errs}) | {r['throughput_tok_s']:.2f} | "
-            f"{_f(r.get('vs_off'), '.2f')} | {_f(r['ttft_ms_p50'])} / {_f(r['ttft_ms_p99'])} | "
+            f"{_vs_off(r)} | {_f(r['ttft_ms_p50'])} / {_f(r['ttft_ms_p99'])} | "
             f"{_f(r['tpot_ms_p50'])} / {_f(r['tpot_ms_p99'])} | {_f(r.get('mean_batch_size'), '.2f')} | {rss or '–'} |")
+
+
+def _vs_off(r: dict[str, Any]) -> str:
+    reps = r.get("vs_off_reps") or []
+    if len(reps) < 2:
+        return _f(r.get("vs_off"), ".2f")
+    return f"{_f(r.get('vs_off'), '.2f')} ({min(reps):.2f}–{max(reps):.2f})"
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """Speculative throughput over target-only at the same config and streams."""
-    off = {(r["config"], r["streams"]): r["throughput_tok_s"] for r in rows if r["mode"] == "off"}
+    off = {(r["config"], r["streams"]): r for r in rows if r["mode"] == "off"}
     for r in rows:
         base = off.get((r["config"], r["streams"]))
-        r["vs_off"] = r["throughput_tok_s"] / base if base else None
+        r["vs_off"] = r["throughput_tok_s"] / base["throughput_tok_s"] if base and base["throughput_tok_s"] else None
+        # repeat i of this mode against repeat i of OFF (run back to back)
+        pairs = zip(r.get("throughput_reps", []), base.get("throughput_reps", []) if base else [])
+        r["vs_off_reps"] = [x / y for x, y in pairs if y > 0]
 
 
 def to_markdown(res: dict[str, Any]) -> str:
@@ -387,10 +426,12 @@ def main(a: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     rss: dict[str, dict[str, list[tuple[float, float]]]] = {}
     if a.launch:
-        for max_batch, window in _parse_batch_configs(a.batch_configs):
-            label = config_label(max_batch, window)
+        for max_batch, window, regroup in _parse_batch_configs(a.batch_configs):
+            label = config_label(max_batch, window, regroup)
             extra = ["--metrics-port", "9474", "--target-max-batch-size", str(max_batch),
                      "--target-batch-window-ms", str(window)]
+            if regroup is not None:
+                extra += ["--target-batch-regroup-ms", str(regroup)]
             with launched_stack(a, extra, base_port=50071) as (proc, addrs):  # target metrics on 9474 + 2
                 got, series = run_config(addrs["orchestrator"], label, child_service_pids(proc.pid),
                                          a.target_metrics or "http://127.0.0.1:9476/metrics", prompts, a)
@@ -406,6 +447,7 @@ def main(a: argparse.Namespace) -> int:
         "rows": rows, "rss": rss,
         "meta": {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.machine(), "cpus": os.cpu_count(),
                  "max_new_tokens": a.max_new_tokens, "requests_per_stream": a.requests_per_stream,
+                 "repeats": a.repeats,
                  "command": " ".join(sys.argv)},
     }
     (a.out / "results.json").write_text(json.dumps(res, indent=2))

@@ -6,7 +6,12 @@ One dedicated thread owns the model. Calls wait in a bounded FIFO queue
 admissible prefix of the queue as the next batch, waiting at most
 ``batch_window_ms`` after the oldest queued call for more to arrive (calls
 that queued while the previous forward ran are batched at once: natural
-batching). Other model jobs (load, warm-up, Release, the idle reaper) run
+batching). After a batched forward the scheduler also waits, briefly, for
+the sessions that forward served to send their next call (``regroup_ms``,
+at most ``regroup_fraction`` of that forward's time): streams that decode in
+lockstep would otherwise drift into alternating half-batches, because their
+next calls arrive a few milliseconds apart while the window is short. Other
+model jobs (load, warm-up, Release, the idle reaper) run
 exclusively, in queue order, through :meth:`BatchScheduler.run`, the same
 interface as :class:`specdec.grpc_util.ModelWorker`.
 
@@ -62,12 +67,24 @@ class BatchLimits:
     max_batch_tokens: int = 512  # padded input tokens per forward (rows × longest input)
     max_batch_kv_tokens: int = 65_536  # padded KV positions per forward (rows × (longest past + longest input))
     batch_window_ms: float = 2.0  # longest wait for more calls after the oldest queued one
+    # longest wait after a forward for the sessions it served to come back
+    # (0 = off), and at most this fraction of that forward's duration
+    regroup_ms: float = 25.0
+    regroup_fraction: float = 0.1
 
     def validate(self) -> None:
         if self.max_batch_size < 1 or self.max_batch_tokens < 1 or self.max_batch_kv_tokens < 1:
             raise ValueError("max_batch_size, max_batch_tokens and max_batch_kv_tokens must be >= 1")
         if not 0.0 <= self.batch_window_ms <= 1000.0:
             raise ValueError(f"batch_window_ms must be in [0, 1000], got {self.batch_window_ms}")
+        if not 0.0 <= self.regroup_ms <= 1000.0:
+            raise ValueError(f"regroup_ms must be in [0, 1000], got {self.regroup_ms}")
+        if not 0.0 <= self.regroup_fraction <= 1.0:
+            raise ValueError(f"regroup_fraction must be in [0, 1], got {self.regroup_fraction}")
+
+    def regroup_wait_s(self, forward_s: float) -> float:
+        """How long to wait, after a forward of ``forward_s`` seconds, for its sessions' next calls."""
+        return min(self.regroup_ms / 1e3, self.regroup_fraction * forward_s)
 
 
 def admissible_prefix(calls: Sequence[BatchCall], limits: BatchLimits) -> int:
@@ -140,6 +157,8 @@ class BatchScheduler:
         self._cond = threading.Condition()
         self._pending = 0  # queued + running
         self._closed = False
+        self._expected: set[str] = set()  # sessions served by the last batched forward
+        self._regroup_until = 0.0  # wait for them (perf_counter) until then
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -207,7 +226,11 @@ class BatchScheduler:
                     n = admissible_prefix(calls, self.limits)
                     # full: a limit stopped the prefix, or an exclusive job waits behind it
                     full = n < len(self._queue) or n >= self.limits.max_batch_size
-                    remaining = deadline - time.perf_counter()
+                    now = time.perf_counter()
+                    until = deadline
+                    if now < self._regroup_until and not self._expected <= {c.session_id for c in calls}:
+                        until = max(until, self._regroup_until)  # the last batch's sessions are coming back
+                    remaining = until - now
                     if full or remaining <= 0 or self._closed:
                         break
                     self._cond.wait(remaining)
@@ -243,6 +266,10 @@ class BatchScheduler:
             except BaseException as e:  # a bug in the runner: fail this batch, keep serving
                 logger.exception("batch runner failed")
                 outs = [(e, None)] * len(jobs)
+            ended = time.perf_counter()
+            with self._cond:
+                self._expected = {c.session_id for c in calls if c.session_id}
+                self._regroup_until = ended + self.limits.regroup_wait_s(ended - started)
             infos = {id(info): info for _, info in outs if info is not None and info.batch_size}
             if self.on_batch is not None:
                 for info in infos.values():

@@ -32,6 +32,9 @@ class TargetServiceConfig:
     # different sessions share one forward pass. max_batch_size 1 = unbatched.
     max_batch_size: int = 16  # rows (sessions) per forward pass
     batch_window_ms: float = 2.0  # longest wait for more calls after the oldest queued one
+    # after a forward, longest wait for the sessions it served to send their next
+    # call (capped at 10 % of that forward's time): lockstep streams stay in one batch
+    batch_regroup_ms: float = 25.0
     max_batch_tokens: int = 512  # padded input tokens per forward pass (rows × longest input)
     max_message_bytes: int = 8 * 1024 * 1024
     warmup: bool = True

@@ -252,6 +252,7 @@ async def start(config: TargetServiceConfig) -> TargetServer:
         max_batch_tokens=config.max_batch_tokens,
         max_batch_kv_tokens=config.kv_budget_tokens,
         batch_window_ms=config.batch_window_ms,
+        regroup_ms=config.batch_regroup_ms,
     )
     worker = BatchScheduler("target-model", max_queue=config.max_queue, limits=limits)
     servicer = TargetServicer(worker)

@@ -50,6 +50,68 @@ def test_admissible_prefix_limits() -> None:
     assert admissible_prefix(v, BatchLimits(max_batch_size=1)) == 1
 
 
+class _Info:
+    def __init__(self, rows: int) -> None:
+        self.batch_size, self.batch_tokens = rows, rows
+
+
+def _lockstep_batches(regroup_ms: float, rounds: int, lag_ms: tuple[float, ...]) -> list[list[str]]:
+    """Streams in lockstep: each session sends its next call ``lag_ms[i]``
+    after its previous one returned (the orchestrator's per-stream work),
+    through a scheduler whose forward pass takes 60 ms. Returns each
+    forward's sessions."""
+    batches: list[list[str]] = []
+
+    def runner(calls: Any) -> list[tuple[Any, _Info]]:
+        batches.append(sorted(c.session_id for c in calls))
+        time.sleep(0.06)
+        info = _Info(len(calls))
+        return [(c.session_id, info) for c in calls]
+
+    limits = BatchLimits(batch_window_ms=1.0, regroup_ms=regroup_ms, regroup_fraction=1.0)
+    sched = BatchScheduler("test-regroup", limits=limits)
+    sched.attach(runner)
+
+    async def stream(i: int) -> None:
+        for _ in range(rounds):
+            await sched.submit(_C(f"s{i}", 10, 1))
+            await asyncio.sleep(lag_ms[i] / 1e3)
+
+    async def main() -> None:
+        await asyncio.gather(*(stream(i) for i in range(len(lag_ms))))
+
+    try:
+        asyncio.run(main())
+    finally:
+        sched.shutdown()
+    return batches
+
+
+def test_regroup_keeps_lockstep_streams_in_one_batch() -> None:
+    """Four streams whose next calls arrive 0–30 ms apart: with regrouping,
+    every forward after the first serves all four (without it the short
+    window splits them, and they stay split)."""
+    lags = (0.0, 10.0, 20.0, 30.0)
+    batches = _lockstep_batches(regroup_ms=500.0, rounds=6, lag_ms=lags)
+    everyone = ["s0", "s1", "s2", "s3"]
+    assert batches[1:] == [everyone] * (len(batches) - 1), batches
+    assert len(batches) <= 7  # 6 rounds, at most one extra forward while the streams first line up
+    # A stream that ends is waited for once, at most the cap, then the rest go on.
+    short = _lockstep_batches(regroup_ms=500.0, rounds=3, lag_ms=(0.0, 5.0))
+    assert sum(len(b) for b in short) == 6 and ["s0", "s1"] in short
+
+
+def test_batch_limits_validate_regroup() -> None:
+    with pytest.raises(ValueError, match="regroup_ms"):
+        BatchLimits(regroup_ms=-1.0).validate()
+    with pytest.raises(ValueError, match="regroup_fraction"):
+        BatchLimits(regroup_fraction=1.5).validate()
+    lim = BatchLimits(regroup_ms=25.0, regroup_fraction=0.1)
+    assert lim.regroup_wait_s(0.2) == pytest.approx(0.02)  # 10 % of a 200 ms pass
+    assert lim.regroup_wait_s(1.0) == pytest.approx(0.025)  # capped
+    assert BatchLimits(regroup_ms=0.0).regroup_wait_s(1.0) == 0.0
+
+
 # ------------------------------------------------------ engine + scheduler
 class RecordingEngine(TargetEngine):
     """The real engine; also keeps the processed target distribution each

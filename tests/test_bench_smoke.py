@@ -24,7 +24,7 @@ def test_bench_writes_json_markdown_and_plots(tiny_models, onnx_cache_dir: Path,
         out = tmp_path / "out"
         args = p.parse_args(["--address", stack.address, "--target-address", f"127.0.0.1:{stack.target.port}",
                              "--prompts", str(prompts), "--gammas", "1,3", "--policies", "auto,heuristic",
-                             "--max-new-tokens", "12", "--out", str(out)])
+                             "--max-new-tokens", "12", "--repeats", "2", "--out", str(out)])
         assert bench.main(args) == 0
         res = json.loads((out / "results.json").read_text())
         assert len(res["rows"]) == 2 * 4
@@ -39,3 +39,22 @@ def test_bench_writes_json_markdown_and_plots(tiny_models, onnx_cache_dir: Path,
             assert (out / png).stat().st_size > 1000, png
     finally:
         stack.close()
+
+
+def test_repeats_interleave_configurations_and_keep_the_fastest(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Repeats go round the configurations forwards, then backwards, so a slow
+    spell of the machine lands on one run of each; the fastest run counts."""
+    calls: list[tuple[str, int, str]] = []
+    speed = iter([5.0, 1.0, 2.0, 9.0, 3.0, 4.0])
+
+    def fake_generate(stub, prompt, mode, gamma, max_new, drafter):  # type: ignore[no-untyped-def]
+        calls.append((mode, gamma, drafter))
+        return {"tokens_per_second": next(speed), "run": len(calls)}
+
+    monkeypatch.setattr(bench, "_generate", fake_generate)
+    schedule = [("off", 0, ""), ("fixed", 2, "d"), ("auto", 0, "d")]
+    best = bench._best_of_rounds(None, {"prompt": "x"}, schedule, 8, repeats=2)
+    assert calls == schedule + schedule[::-1]
+    assert best[("off", 0, "")]["run"] == 1  # 5.0 beats its second run's 4.0
+    assert best[("fixed", 2, "d")]["run"] == 5  # 3.0 beats 1.0
+    assert best[("auto", 0, "d")]["run"] == 4  # 9.0 beats 2.0

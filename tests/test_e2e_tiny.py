@@ -328,7 +328,7 @@ def test_speculation_load_gate(stack: Stack) -> None:
     does one right after, within the hold; alone, it speculates again."""
     from orchestrator.server import speculation_stream_limit
 
-    assert speculation_stream_limit(-1, "cpu") == 2 and speculation_stream_limit(-1, "cuda:0") == 0
+    assert speculation_stream_limit(-1, "cpu") == 1 and speculation_stream_limit(-1, "cuda:0") == 0
     assert speculation_stream_limit(5, "cpu") == 5 and speculation_stream_limit(0, "cpu") == 0
     prompt = "def fib(n):"
     ref = stack.generate(prompt=prompt, mode="off", max_new_tokens=24, ignore_eos=True)["token_ids"]

@@ -24,7 +24,7 @@ def test_loadbench_writes_results(tiny_models, onnx_cache_dir: Path, tmp_path: P
         loadbench.add_arguments(p)
         out = tmp_path / "out"
         args = p.parse_args(["--address", stack.address, "--streams", "1,4", "--modes", "auto,off",
-                             "--requests-per-stream", "2", "--max-new-tokens", "12", "--prompts", str(prompts),
+                             "--requests-per-stream", "2", "--repeats", "2", "--max-new-tokens", "12", "--prompts", str(prompts),
                              "--pids", f"services={os.getpid()}", "--rss-interval-s", "0.05",
                              "--label", "batch≤8", "--out", str(out)])
         assert loadbench.main(args) == 0
@@ -33,13 +33,17 @@ def test_loadbench_writes_results(tiny_models, onnx_cache_dir: Path, tmp_path: P
         assert [(r["streams"], r["mode"]) for r in rows] == [(1, "auto"), (1, "off"), (4, "auto"), (4, "off")]
         for r in rows:
             assert r["config"] == "batch≤8"
-            assert r["requests"] == r["ok"] == 2 * r["streams"] and r["errors"] == {}
+            # 2 requests per stream, 2 repeats (ABBA) pooled into one row
+            assert r["requests"] == r["ok"] == 2 * 2 * r["streams"] and r["errors"] == {}
+            assert len(r["throughput_reps"]) == 2 and all(t > 0 for t in r["throughput_reps"])
+            assert len(r["vs_off_reps"]) == 2
             assert r["tokens"] == 12 * r["requests"]  # ignore_eos: every request runs to max_new_tokens
             assert r["throughput_tok_s"] > 0 and r["vs_off"] > 0
             assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"]
             assert 0 < r["tpot_ms_p50"] <= r["tpot_ms_p99"]
             assert r["rss_peak_mb"]["services"] > 10
         assert [r["vs_off"] for r in rows if r["mode"] == "off"] == [1.0, 1.0]
+        assert all(r["vs_off_reps"] == [1.0, 1.0] for r in rows if r["mode"] == "off")
         series = res["rss"]["batch≤8"]["services"]
         assert len(series) >= 2 and all(mb > 10 for _, mb in series)
         md = (out / "results.md").read_text()

@@ -232,6 +232,30 @@ def test_a_replica_not_serving_gets_new_sessions_only_as_a_last_resort() -> None
     run(go())
 
 
+def test_readiness_polls_do_not_back_a_loading_replica_off() -> None:
+    """GetModelInfo while a replica loads its model answers UNAVAILABLE; that
+    is not a failure, so the replica takes sessions as soon as it is ready
+    (a session call that fails does back it off)."""
+
+    async def go() -> None:
+        cl = Cluster(["a:1"])
+        await cl.pool.start()
+        cl.services["a:1"].down = True  # still loading
+        for _ in range(5):
+            with pytest.raises(Unavailable):
+                await cl.pool.info(1.0)
+        replica = cl.pool.replicas["a:1"]
+        assert replica.failures == 0 and replica.available(cl.now)
+        cl.services["a:1"].down = False  # loaded
+        assert await cl.pool.info(1.0) == "a:1"
+        cl.services["a:1"].down = True
+        with pytest.raises(Unavailable):
+            await RoutedTarget(cl.pool, "k").prefill([1], CFG, True, 0, None)
+        assert replica.failures == 1 and not replica.available(cl.now)
+
+    run(go())
+
+
 def test_draft_replica_failure_reports_the_session_lost() -> None:
     """A failed draft replica surfaces as NOT_FOUND, so the decode loop
     recreates the session, which lands on another replica."""
