@@ -63,8 +63,12 @@ def _add_draft_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
                    help="ONNX export precision of the draft")
     p.add_argument(f"--{prefix}execution", dest="draft_execution", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument(f"--{prefix}threads", dest="draft_threads", type=int, default=0, help="onnxruntime intra-op threads (0 = all)")
-    p.add_argument(f"--{prefix}spin", dest="draft_spin", default="on", choices=["on", "off"],
-                   help="onnxruntime worker spin-waiting (on: lower draft latency; off: frees CPU for a co-located target)")
+    # `specdec up` runs draft and target on the same cores, where the draft's
+    # spinning workers slow the target's next verify (docs/benchmarks.md);
+    # `specdec serve draft` (its own pod) keeps spinning on.
+    p.add_argument(f"--{prefix}spin", dest="draft_spin", default="off", choices=["on", "off"],
+                   help="onnxruntime worker spin-waiting (on: lower draft latency; off, the default here: "
+                        "frees CPU for the co-located target)")
     _add_drafter_choice_flags(p, prefix)
 
 
