@@ -132,7 +132,7 @@ def _client_tls(ca: Any, cert: Any = None, key: Any = None, server_name: str = "
 def target_config(a: argparse.Namespace, port: int) -> Any:
     from target_service.config import TargetServiceConfig
 
-    return TargetServiceConfig(
+    cfg = TargetServiceConfig(
         model=a.target_model, host=a.host, port=port, dtype=a.target_dtype, device=a.target_device,
         threads=a.target_threads, cache_dir=a.cache_dir, kv_budget_tokens=a.target_kv_budget,
         metrics_port=a.metrics_port, metrics_host=a.metrics_host, health_port=a.health_port,
@@ -140,6 +140,11 @@ def target_config(a: argparse.Namespace, port: int) -> Any:
         max_batch_size=a.max_batch_size, batch_window_ms=a.batch_window_ms, batch_regroup_ms=a.batch_regroup_ms,
         max_batch_tokens=a.max_batch_tokens, max_queue=a.max_queue,
     )
+    try:
+        cfg.batch_limits()
+    except ValueError as e:
+        raise SystemExit(f"specdec: {e}") from None
+    return cfg
 
 
 def draft_config(a: argparse.Namespace, port: int) -> Any:
@@ -271,6 +276,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     from specdec.models import default_cache_dir
 
     cache = str(a.cache_dir or default_cache_dir())
+    target_config(a, a.target_port)  # bad target flags stop here, before any child starts
     base = [sys.executable, "-m", "specdec.cli", "serve"]
     common = ["--host", a.host, "--cache-dir", cache, "--log-level", a.log_level, "--drain-timeout", str(a.drain_timeout)]
     tport, dport, oport = a.target_port, a.draft_port, a.port

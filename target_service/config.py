@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.tls import TlsServerConfig
+from target_service.batching import BatchLimits
 
 
 @dataclass
@@ -42,3 +43,15 @@ class TargetServiceConfig:
     metrics_host: str = "127.0.0.1"
     health_port: int = 0  # plaintext port serving only grpc.health.v1 (kubelet probes when TLS is on); 0 = off
     tls: TlsServerConfig | None = None  # None = plaintext; client_ca set = mutual TLS
+
+    def batch_limits(self) -> BatchLimits:
+        """The batch scheduler's limits (validated: ValueError names a bad value)."""
+        limits = BatchLimits(
+            max_batch_size=self.max_batch_size,
+            max_batch_tokens=self.max_batch_tokens,
+            max_batch_kv_tokens=self.kv_budget_tokens,
+            batch_window_ms=self.batch_window_ms,
+            regroup_ms=self.batch_regroup_ms,
+        )
+        limits.validate()
+        return limits

@@ -19,7 +19,7 @@ from specdec.logging_util import log
 from specdec.metrics import BatchMetrics, ModelServiceMetrics, serve_metrics
 from specdec.sampling import SamplingConfig
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_service.batching import BatchLimits, BatchReport, BatchScheduler
+from target_service.batching import BatchReport, BatchScheduler
 from target_service.config import TargetServiceConfig
 from target_service.engine import PrefillCall, PrefillOutcome, SparseQ, TargetEngine, VerifyCall, VerifyOutcome
 
@@ -247,14 +247,7 @@ def _warmup(engine: TargetEngine) -> None:
 async def start(config: TargetServiceConfig) -> TargetServer:
     """Binds the port (health NOT_SERVING), loads and warms the model off the
     event loop, then flips health to SERVING."""
-    limits = BatchLimits(
-        max_batch_size=config.max_batch_size,
-        max_batch_tokens=config.max_batch_tokens,
-        max_batch_kv_tokens=config.kv_budget_tokens,
-        batch_window_ms=config.batch_window_ms,
-        regroup_ms=config.batch_regroup_ms,
-    )
-    worker = BatchScheduler("target-model", max_queue=config.max_queue, limits=limits)
+    worker = BatchScheduler("target-model", max_queue=config.max_queue, limits=config.batch_limits())
     servicer = TargetServicer(worker)
     worker.on_batch = servicer.on_batch
     handle = await start_server(

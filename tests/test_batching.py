@@ -112,6 +112,26 @@ def test_batch_limits_validate_regroup() -> None:
     assert BatchLimits(regroup_ms=0.0).regroup_wait_s(1.0) == 0.0
 
 
+def test_cli_refuses_bad_batch_flags_before_starting() -> None:
+    """`specdec serve target` and `specdec up` turn out-of-range batching
+    flags into a one-line error naming the value, not a traceback from the
+    scheduler at start-up."""
+    from specdec.cli import build_parser, cmd_up, target_config
+
+    def config(*flags: str) -> Any:
+        a = build_parser().parse_args(["serve", "target", *flags])
+        a.target_model, a.target_threads = "tiny", a.threads  # as cmd_serve sets them
+        return target_config(a, 0)
+
+    assert config("--batch-regroup-ms", "10").batch_limits().regroup_ms == 10.0
+    for flags in (["--batch-regroup-ms", "-5"], ["--batch-regroup-ms", "5000"], ["--batch-window-ms", "-1"],
+                  ["--max-batch-size", "0"]):
+        with pytest.raises(SystemExit, match="specdec: .*(regroup_ms|batch_window_ms|max_batch_size)"):
+            config(*flags)
+    with pytest.raises(SystemExit, match="specdec: regroup_ms must be in"):
+        cmd_up(build_parser().parse_args(["up", "--target-batch-regroup-ms", "-1"]))
+
+
 # ------------------------------------------------------ engine + scheduler
 class RecordingEngine(TargetEngine):
     """The real engine; also keeps the processed target distribution each
