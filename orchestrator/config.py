@@ -51,7 +51,11 @@ class OrchestratorConfig:
     metrics_host: str = "127.0.0.1"
     health_port: int = 0  # plaintext port serving only grpc.health.v1 (kubelet probes when TLS is on); 0 = off
     adaptive_gamma_max: int = 16  # largest γ the adaptive policy considers (AUTO); ≤ max_num_draft_tokens
-    min_confidence: float = 0.0  # default draft confidence early stop for AUTO (0 = off)
+    # Draft confidence early stop for AUTO: a fixed threshold, or 0 = the
+    # adaptive policy's own per-round threshold, derived from the measured
+    # costs and scaled by confidence_stop_scale (0 = no early stop).
+    min_confidence: float = 0.0
+    confidence_stop_scale: float = 1.0
     # AUTO speculates only while at most this many streams are active; past it
     # rounds are plain decoding. -1 = from the target's device: 2 on CPU, where
     # draft and target share the cores (measured crossover, docs/benchmarks.md

@@ -158,7 +158,7 @@ class DecodeParams:
     target_timeout_s: float = 120.0
     release_timeout_s: float = 2.0
     deadline: float | None = None  # time.monotonic() by which the request must end
-    min_confidence: float = 0.0  # draft-side confidence early stop (0 = off)
+    min_confidence: float = 0.0  # draft-side confidence early stop; 0 = the policy's (``stop_confidence``)
     sink: RoundSink | None = None
 
 
@@ -219,8 +219,9 @@ class Decoder:
         except SpecdecError as e:
             log(logger, logging.WARNING, "draft session not created; continuing target-only", error=e.message)
 
-    async def _propose(self, gamma: int) -> ProposeReply | None:
-        """Drafts up to γ tokens; None when the draft cannot serve this round."""
+    async def _propose(self, gamma: int, min_confidence: float) -> ProposeReply | None:
+        """Drafts up to γ tokens (fewer when a token's draft confidence falls
+        below ``min_confidence``); None when the draft cannot serve this round."""
         assert self.draft is not None
         for attempt in range(2):
             try:
@@ -234,7 +235,7 @@ class Decoder:
                     self.draft_known,
                     self.committed[self.draft_known :],
                     gamma,
-                    self.p.min_confidence,
+                    min_confidence,
                     self._timeout(self.p.draft_timeout_s),
                 )
                 self._draft_wall_ms = (time.perf_counter() - t0) * 1e3
@@ -287,7 +288,7 @@ class Decoder:
             proposal: ProposeReply | None = None
             self._draft_wall_ms = 0.0
             if gamma > 0 and self.draft is not None and self.stats.rounds >= self.draft_down_until_round:
-                proposal = await self._propose(gamma)
+                proposal = await self._propose(gamma, self.p.min_confidence or self.p.policy.stop_confidence())
                 if proposal is not None:
                     self.stats.draft_ms += proposal.compute_ms
                     self.stats.rtt_ms += max(0.0, self._draft_wall_ms - proposal.compute_ms)
@@ -316,6 +317,7 @@ class Decoder:
                 continued=self._continued,
                 batch_size=verified.batch_size,
                 batch_tokens=verified.batch_tokens,
+                requested=gamma if proposal else 0,
             )
             self._continued = 0 < len(draft_ids) == verified.num_accepted
             self.p.policy.observe(obs)

@@ -39,6 +39,8 @@ class RoundObservation:
     continued: the previous round of this request drafted and had every
       drafted token accepted, so this round continues a run of agreement
       (see ``AcceptancePrior``).
+    requested: the γ the policy asked for (``gamma`` is smaller when the
+      drafter stopped the span early: confidence stop or context limit).
     """
 
     gamma: int
@@ -53,6 +55,7 @@ class RoundObservation:
     continued: bool = False
     batch_size: int = 0
     batch_tokens: int = 0
+    requested: int = 0
 
 
 class DraftLengthPolicy(Protocol):
@@ -60,6 +63,11 @@ class DraftLengthPolicy(Protocol):
 
     def next_gamma(self) -> int:
         """γ for the next round; 0 means a plain target decoding step."""
+
+    def stop_confidence(self) -> float:
+        """The draft-side early stop for the round just chosen: the drafter
+        ends the span before a token whose top probability is below it
+        (0 = draft all γ tokens)."""
 
     def observe(self, obs: RoundObservation) -> None:
         """Records the outcome of a verified round."""
@@ -73,6 +81,9 @@ class FixedPolicy:
     def next_gamma(self) -> int:
         return self.gamma
 
+    def stop_confidence(self) -> float:
+        return 0.0
+
     def observe(self, obs: RoundObservation) -> None:
         return None
 
@@ -83,6 +94,9 @@ class OffPolicy:
 
     def next_gamma(self) -> int:
         return 0
+
+    def stop_confidence(self) -> float:
+        return 0.0
 
     def observe(self, obs: RoundObservation) -> None:
         return None
@@ -98,6 +112,9 @@ class HeuristicPolicy:
 
     def next_gamma(self) -> int:
         return self.gamma
+
+    def stop_confidence(self) -> float:
+        return 0.0
 
     def observe(self, obs: RoundObservation) -> None:
         if obs.gamma == 0:
@@ -236,6 +253,15 @@ class CostModel:
             rows = max(1.0, self._rows / self._verify_n)
             return max(0.0, a) / rows + b * k + self._net / self._verify_n
 
+    def marginal_token_ms(self) -> float | None:
+        """What one more drafted token adds to a round: its draft compute plus
+        the verify pass's slope b (None before any draft data)."""
+        with self._lock:
+            fit = self._verify.fit(self.verify_slope_ms)
+            if fit is None or self._draft_tokens < 1e-9:
+                return None
+            return self._draft_compute / self._draft_tokens + fit[1]
+
     def draft_ms(self, gamma: int) -> float | None:
         with self._lock:
             if self._draft_n < 1e-9:
@@ -284,6 +310,12 @@ class AdaptiveConfig:
     thompson: bool = False  # sample α from its posterior each round (exploration) instead of using the mean
     explore_every: int = 0  # every n-th speculative round tries a neighbouring γ (keeps the cost slope learnt)
     min_gain: float = 1.02  # speculate only when E/T beats plain decoding by this factor
+    # Draft confidence early stop (``AdaptivePolicy.stop_confidence``): the
+    # threshold is scale × (tokens/ms of the planned round) × (ms one more
+    # drafted token costs), capped where the draft's top probability stops
+    # being a calibrated acceptance estimate (docs/metrics.md); 0 = off.
+    confidence_scale: float = 1.0
+    confidence_max: float = 0.4
     # Priors for the cost model before any measurement (ms); the draft/target
     # cost ratio on the reference CPU is about 0.1.
     default_verify_ms: float = 200.0
@@ -408,6 +440,23 @@ class AdaptivePolicy:
             self._probe_every = min(64, self._probe_every * 2)
             return min(self.cfg.probe_gamma, self.cfg.gamma_max)
         return 0
+
+    def stop_confidence(self) -> float:
+        """The draft-side early stop for this round's span: the drafter stops
+        before a token whose top probability p is below this threshold.
+
+        A drafted token costs m ms more (its draft compute plus the verify
+        pass's slope b) and, if the target accepts it (probability ≈ p given
+        the span so far was accepted), saves a token; the round as planned
+        yields r tokens per ms (the best score). So the token pays when
+        p > r·m, scaled by ``AdaptiveConfig.confidence_scale`` (0 = off)."""
+        scale = self.cfg.confidence_scale
+        if scale <= 0 or not self.last_scores:
+            return 0.0
+        m = self.costs.marginal_token_ms()
+        if m is None:
+            m = self.cfg.default_draft_token_ms + self.cfg.default_verify_slope_ms
+        return min(self.cfg.confidence_max, scale * max(self.last_scores.values()) * m)
 
     def observe(self, obs: RoundObservation) -> None:
         if self.update_shared:

@@ -59,6 +59,8 @@ class MetricsSink:
             m.num_drafts.labels(drafter).inc()
             m.num_draft_tokens.labels(drafter).inc(obs.gamma)
             m.num_accepted_tokens.labels(drafter).inc(obs.accepted)
+            if obs.requested > obs.gamma:
+                m.draft_tokens_not_drafted.labels(drafter).inc(obs.requested - obs.gamma)
             for i in range(obs.accepted):
                 m.accepted_per_pos.labels(drafter, str(i)).inc()
             m.draft_time.observe(obs.draft_compute_ms / 1e3)
@@ -143,7 +145,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.policies = PolicyFactory(
             default_gamma=config.default_num_draft_tokens,
             gamma_max=config.max_num_draft_tokens,
-            adaptive=AdaptiveConfig(gamma_max=config.adaptive_gamma_max),
+            adaptive=AdaptiveConfig(gamma_max=config.adaptive_gamma_max, confidence_scale=config.confidence_stop_scale),
         )
         self.sink = MetricsSink(self.metrics, self.policies)
         self.default_drafter = ""
@@ -252,6 +254,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             target_timeout_s=self.cfg.target_timeout_s,
             release_timeout_s=self.cfg.release_timeout_s,
             deadline=deadline,
+            # 0 leaves AUTO's per-round threshold to its policy (derived from costs)
             min_confidence=spec.min_confidence or (self.cfg.min_confidence if mode == "adaptive" else 0.0),
             sink=self.sink,
         )

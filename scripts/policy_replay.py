@@ -11,8 +11,13 @@ t_verify(k) curve and the draft's per-token time), with noise.
 
     # record traces with the real default pair (minutes; no timing involved)
     .venv/bin/python scripts/policy_replay.py collect --out bench-out/traces.json
-    # replay fixed γ, the heuristic and the adaptive policy on them (seconds)
+    # replay fixed γ, the heuristic and the adaptive policy on them (seconds);
+    # requests end at their first EOS, as they do in the services
     .venv/bin/python scripts/policy_replay.py replay bench-out/traces.json
+    # AUTO without a confidence early stop (0), with its derived one (-1) and
+    # with a fixed threshold (0.2)
+    .venv/bin/python scripts/policy_replay.py replay bench-out/traces.json --min-confidence 0 \
+        --min-confidence -1 --min-confidence 0.2
 
 This is a tuning tool; the numbers that count come from ``specdec bench``.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import time
@@ -122,18 +128,32 @@ class Costs:
         return compute + self.draft_rtt, compute
 
 
+EOS_IDS = (151643, 151645)  # Qwen2.5 <|endoftext|>, <|im_end|>
+
+
+def trace_length(trace: dict[str, Any]) -> int:
+    """Positions a request really generates: up to and including the first
+    EOS (the services stop there), else the whole trace."""
+    for i, t in enumerate(trace["target"]):
+        if t in EOS_IDS:
+            return min(i + 1, len(trace["runs"]))
+    return len(trace["runs"])
+
+
 def replay_one(trace: dict[str, Any], policy: Any, costs: Costs, rng: random.Random, sink: Any = None,
                min_confidence: float = 0.0) -> dict[str, Any]:
+    """``min_confidence`` < 0: the policy's own threshold (``stop_confidence()``)."""
     from orchestrator.policy import RoundObservation
 
-    runs, confs, n = trace["runs"], trace["confidence"], len(trace["runs"])
+    runs, confs, n = trace["runs"], trace["confidence"], trace_length(trace)
     pos, ms, gammas, accs, continued = 0, 0.0, [], [], False
     while pos < n:
         g = min(policy.next_gamma(), n - pos)
-        if g > 0 and min_confidence > 0:
+        tau = policy.stop_confidence() if min_confidence < 0 else min_confidence
+        if g > 0 and tau > 0:
             c = confs[pos]
             g2 = 1
-            while g2 < g and c[g2] >= min_confidence:
+            while g2 < g and c[g2] >= tau:
                 g2 += 1
             g = g2
         acc = min(g, runs[pos])
@@ -155,33 +175,47 @@ def replay_one(trace: dict[str, Any], policy: Any, costs: Costs, rng: random.Ran
 def replay(a: argparse.Namespace) -> dict[str, Any]:
     from orchestrator.policy import AdaptiveConfig, PolicyFactory
 
-    data = json.loads(Path(a.traces).read_text())
-    traces = [t for t in data["traces"] if not a.only or t["id"] in a.only]
+    traces = [t for f in a.traces for t in json.loads(Path(f).read_text())["traces"] if not a.only or t["id"] in a.only]
+    # in the benchmark's order (the shared estimates carry from one prompt to the next)
+    order = [json.loads(line)["id"] for line in (REPO / "benchmarks" / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    traces.sort(key=lambda t: order.index(t["id"]) if t["id"] in order else len(order))
     costs = Costs()
     overrides = json.loads(a.adaptive) if a.adaptive else {}
     results: dict[str, dict[str, float]] = {}
     for seed in range(a.seeds):
         rng = random.Random(seed)
         factory = PolicyFactory(default_gamma=4, gamma_max=16, adaptive=AdaptiveConfig(gamma_max=16, **overrides))
-        configs = [("fixed", g) for g in (1, 2, 3, 4, 6, 8)] + [("auto", 0), ("heuristic", 0)]
+        configs = [("fixed", g, 0.0) for g in (1, 2, 3, 4, 6, 8)] + [("heuristic", 0, 0.0)]
+        configs += [("auto", 0, float(tau)) for tau in a.min_confidence]
         for t in traces:
-            base_ms = len(t["runs"]) * (costs.verify_a + costs.overhead)
-            for mode, g in configs:
+            n = trace_length(t)
+            base_ms = n * (costs.verify_a + costs.overhead)
+            for mode, g, tau in configs:
                 pol = factory.make({"auto": "adaptive"}.get(mode, mode), g, "draft")
-                r = replay_one(t, pol, costs, rng, sink=lambda o: factory.observe(o, "draft"))
-                key = f"{mode}{g or ''}"
+                r = replay_one(t, pol, costs, rng, sink=lambda o: factory.observe(o, "draft"), min_confidence=tau)
+                key = f"{mode}{g or ''}" + (f"@{tau:g}" if mode == "auto" and tau else "")
                 results.setdefault(t["id"], {}).setdefault(key, 0.0)
-                results[t["id"]][key] += r["tok_s"] / (len(t["runs"]) / base_ms * 1e3) / a.seeds
+                results[t["id"]][key] += r["tok_s"] / (n / base_ms * 1e3) / a.seeds
                 if a.verbose and seed == 0 and mode == "auto":
                     print(t["id"], r["gammas"][:40], r["accepted"][:40])
-    worst = 1e9
     for pid, row in results.items():
-        best_fixed = max(v for k, v in row.items() if k.startswith("fixed"))
-        auto = row["auto"]
-        worst = min(worst, auto / best_fixed)
-        print(f"{pid:12s} " + " ".join(f"{k}={v:.2f}" for k, v in row.items())
-              + f"  auto/best={auto / best_fixed:.3f} auto/heur={auto / row['heuristic']:.3f}")
-    print(f"worst auto/best_fixed = {worst:.3f}")
+        print(f"{pid:12s} " + " ".join(f"{k}={v:.2f}" for k, v in row.items()))
+    # per category: geometric mean over its prompts, each AUTO variant against
+    # the best fixed γ (chosen in hindsight) and the heuristic
+    cats: dict[str, dict[str, list[float]]] = {}
+    for t in traces:
+        for k, v in results[t["id"]].items():
+            cats.setdefault(t["category"], {}).setdefault(k, []).append(v)
+    worst: dict[str, float] = {}
+    for cat, d in cats.items():
+        g = {k: math.exp(sum(map(math.log, v)) / len(v)) for k, v in d.items()}
+        best = max(v for k, v in g.items() if k.startswith("fixed"))
+        autos = {k: v for k, v in g.items() if k.startswith("auto")}
+        for k, v in autos.items():
+            worst[k] = min(worst.get(k, 9.0), v / best)
+        print(f"{cat:16s} best fixed={best:.2f} heur={g['heuristic']:.2f} "
+              + " ".join(f"{k}={v:.2f}({v / best - 1:+.0%}/{v / g['heuristic'] - 1:+.0%})" for k, v in autos.items()))
+    print("worst AUTO / best fixed: " + " ".join(f"{k}={v:.3f}" for k, v in worst.items()))
     return results
 
 
@@ -197,12 +231,16 @@ def main() -> None:
     c.add_argument("--max-new-tokens", type=int, default=96)
     c.add_argument("--out", default="bench-out/traces.json")
     r = sub.add_parser("replay")
-    r.add_argument("traces")
+    r.add_argument("traces", nargs="+")
     r.add_argument("--only", action="append")
     r.add_argument("--seeds", type=int, default=5)
     r.add_argument("--adaptive", default="", help="JSON overrides of AdaptiveConfig")
+    r.add_argument("--min-confidence", type=float, action="append",
+                   help="AUTO's draft confidence stop (repeatable; -1 = the policy's derived threshold; default 0)")
     r.add_argument("--verbose", action="store_true")
     a = ap.parse_args()
+    if a.cmd == "replay" and not a.min_confidence:
+        a.min_confidence = [0.0]
     collect(a) if a.cmd == "collect" else replay(a)
 
 

@@ -40,7 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=Path, default=REPO_PROMPTS)
     p.add_argument("--only", action="append", help="prompt id(s) to run")
     p.add_argument("--gammas", default="4", help="comma-separated fixed γ values (SPECULATION_MODE_FIXED)")
-    p.add_argument("--policies", default="", help="comma-separated adaptive modes to run too: auto, heuristic")
+    p.add_argument("--policies", default="",
+                   help="comma-separated adaptive modes to run too: auto, heuristic, "
+                        "auto-nostop (AUTO without its draft confidence early stop)")
     p.add_argument("--drafters", default="", help="comma-separated drafter names (default: the service default)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per configuration (the fastest is kept); the repeats of one prompt go round its "
@@ -78,11 +80,14 @@ def _generate(stub: Any, prompt: dict[str, Any], mode: str, gamma: int, max_new:
     from specdec.v1 import orchestrator_pb2 as pb
 
     modes = {"off": pb.SPECULATION_MODE_OFF, "fixed": pb.SPECULATION_MODE_FIXED, "auto": pb.SPECULATION_MODE_AUTO,
-             "heuristic": pb.SPECULATION_MODE_HEURISTIC}
+             "heuristic": pb.SPECULATION_MODE_HEURISTIC, "auto-nostop": pb.SPECULATION_MODE_AUTO}
     req = pb.GenerateRequest(
         max_new_tokens=max_new,
         return_logit_gaps=True,
-        speculation=pb.SpeculationConfig(mode=modes[mode], num_draft_tokens=gamma, drafter=drafter),
+        speculation=pb.SpeculationConfig(mode=modes[mode], num_draft_tokens=gamma, drafter=drafter,
+                                         # a threshold no top probability is below (it is ≥ 1/vocab):
+                                         # AUTO without its confidence early stop
+                                         min_confidence=1e-7 if mode == "auto-nostop" else 0.0),
     )
     if prompt.get("chat"):
         req.messages.append(pb.ChatMessage(role="user", content=prompt["prompt"]))
@@ -213,6 +218,9 @@ def run_bench(a: argparse.Namespace, orch: str, target: str) -> dict[str, Any]:
         prompts = [p for p in prompts if p["id"] in a.only]
     configs = [("fixed", int(g)) for g in str(a.gammas).split(",") if g]
     configs += [(p.strip(), 0) for p in str(a.policies).split(",") if p.strip()]
+    unknown = sorted({m for m, _ in configs} - {"fixed", "auto", "heuristic", "auto-nostop"})
+    if unknown:
+        raise SystemExit(f"specdec bench: unknown --policies {', '.join(unknown)} (auto, heuristic, auto-nostop)")
     drafters = [d.strip() for d in str(a.drafters).split(",") if d.strip()] or [""]
     rows: list[dict[str, Any]] = []
     with grpc.insecure_channel(orch) as ch:

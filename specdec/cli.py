@@ -179,6 +179,11 @@ def draft_config(a: argparse.Namespace, port: int) -> Any:
     )
 
 
+def _check_confidence_stop_scale(scale: float) -> None:
+    if not 0.0 <= scale <= 100.0:
+        raise SystemExit(f"specdec: --confidence-stop-scale must be in [0, 100], got {scale}")
+
+
 def orchestrator_config(a: argparse.Namespace, port: int) -> Any:
     from orchestrator.config import OrchestratorConfig, RoutingConfig
     from orchestrator.routing import parse_addresses
@@ -193,11 +198,15 @@ def orchestrator_config(a: argparse.Namespace, port: int) -> Any:
         raise SystemExit("specdec: --target-load-factor must be at least 1")
     if a.speculation_max_streams < -1:
         raise SystemExit("specdec: --speculation-max-streams must be -1 (auto), 0 (unlimited) or a positive count")
+    if not 0.0 <= a.min_confidence < 1.0:
+        raise SystemExit(f"specdec: --min-confidence must be in [0, 1), got {a.min_confidence}")
+    _check_confidence_stop_scale(a.confidence_stop_scale)
     return OrchestratorConfig(
         target_addresses=targets, draft_addresses=drafts, tokenizer=a.target_model,
         host=a.host, port=port, cache_dir=a.cache_dir, default_num_draft_tokens=a.num_draft_tokens,
         default_max_new_tokens=a.default_max_new_tokens, metrics_port=a.metrics_port,
         metrics_host=a.metrics_host, min_confidence=a.min_confidence, health_port=a.health_port,
+        confidence_stop_scale=a.confidence_stop_scale,
         speculation_max_streams=a.speculation_max_streams,
         routing=RoutingConfig(discovery_interval_s=a.discovery_interval, backoff_s=a.replica_backoff,
                               target_load_factor=a.target_load_factor),
@@ -277,6 +286,7 @@ def cmd_up(a: argparse.Namespace) -> int:
 
     cache = str(a.cache_dir or default_cache_dir())
     target_config(a, a.target_port)  # bad target flags stop here, before any child starts
+    _check_confidence_stop_scale(a.confidence_stop_scale)
     base = [sys.executable, "-m", "specdec.cli", "serve"]
     common = ["--host", a.host, "--cache-dir", cache, "--log-level", a.log_level, "--drain-timeout", str(a.drain_timeout)]
     tport, dport, oport = a.target_port, a.draft_port, a.port
@@ -292,6 +302,7 @@ def cmd_up(a: argparse.Namespace) -> int:
                                 "--draft-address", "" if a.no_draft else f"127.0.0.1:{dport}",
                                 "--model", a.target_model, "--num-draft-tokens", str(a.num_draft_tokens),
                                 "--speculation-max-streams", str(a.speculation_max_streams),
+                                "--confidence-stop-scale", str(a.confidence_stop_scale),
                                 "--metrics-port", str(a.metrics_port)] + common,
     }
     if not a.no_draft:
@@ -516,6 +527,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--speculation-max-streams", type=int, default=-1,
                     help="AUTO speculates only while at most this many streams are active "
                          "(-1 = 1 for a CPU target, unlimited on accelerators; 0 = unlimited)")
+    up.add_argument("--confidence-stop-scale", type=float, default=1.0,
+                    help="AUTO's draft confidence early stop: scale × (tokens/ms) × (ms per drafted token), "
+                         "capped at 0.4; 0 = no early stop")
     up.add_argument("--metrics-port", type=int, default=9464,
                     help="orchestrator /metrics port; draft and target use the next two (0 = off)")
     up.add_argument("--no-draft", action="store_true", help="run without a draft service (target-only)")
@@ -563,7 +577,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--num-draft-tokens", type=int, default=4)
     o.add_argument("--default-max-new-tokens", type=int, default=256)
     o.add_argument("--min-confidence", type=float, default=0.0,
-                   help="default draft confidence early stop for AUTO (0 = off)")
+                   help="fixed draft confidence early stop for AUTO (0 = the adaptive policy's derived threshold)")
+    o.add_argument("--confidence-stop-scale", type=float, default=1.0,
+                   help="AUTO's derived confidence stop: scale × (tokens/ms) × (ms per drafted token), "
+                        "capped at 0.4; 0 = no early stop")
     o.add_argument("--speculation-max-streams", type=int, default=-1,
                    help="AUTO speculates only while at most this many streams are active "
                         "(-1 = 1 for a CPU target, unlimited on accelerators; 0 = unlimited)")

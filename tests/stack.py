@@ -186,6 +186,7 @@ def make_request(
     drafter: str = "",
     stop: list[str] | None = None,
     ignore_eos: bool = True,
+    min_confidence: float = 0.0,
 ) -> pb.GenerateRequest:
     modes = {"auto": pb.SPECULATION_MODE_AUTO, "off": pb.SPECULATION_MODE_OFF, "fixed": pb.SPECULATION_MODE_FIXED,
              "heuristic": pb.SPECULATION_MODE_HEURISTIC}
@@ -195,7 +196,8 @@ def make_request(
         max_new_tokens=max_new_tokens,
         stop=stop or [],
         ignore_eos=ignore_eos,
-        speculation=pb.SpeculationConfig(mode=modes[mode], num_draft_tokens=gamma, drafter=drafter),
+        speculation=pb.SpeculationConfig(mode=modes[mode], num_draft_tokens=gamma, drafter=drafter,
+                                         min_confidence=min_confidence),
     )
     req.sampling.temperature = temperature
     req.sampling.top_p = top_p

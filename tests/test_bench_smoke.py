@@ -23,11 +23,11 @@ def test_bench_writes_json_markdown_and_plots(tiny_models, onnx_cache_dir: Path,
         bench.add_arguments(p)
         out = tmp_path / "out"
         args = p.parse_args(["--address", stack.address, "--target-address", f"127.0.0.1:{stack.target.port}",
-                             "--prompts", str(prompts), "--gammas", "1,3", "--policies", "auto,heuristic",
+                             "--prompts", str(prompts), "--gammas", "1,3", "--policies", "auto,heuristic,auto-nostop",
                              "--max-new-tokens", "12", "--repeats", "2", "--out", str(out)])
         assert bench.main(args) == 0
         res = json.loads((out / "results.json").read_text())
-        assert len(res["rows"]) == 2 * 4
+        assert len(res["rows"]) == 2 * 5
         for row in res["rows"]:
             assert row["identical"], row  # float32 tiny target: greedy identical in every mode
             assert row["speedup"] > 0 and 0 <= row["acceptance_rate"] <= 1

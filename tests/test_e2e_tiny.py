@@ -95,9 +95,34 @@ def test_metrics_count_a_known_generation(stack: Stack) -> None:
     assert delta("specdec_requests_total", finish_reason="FINISH_REASON_LENGTH") == 1
     assert delta("specdec_round_seconds_count") == s.rounds
     assert after[("specdec_active_streams", ())] == 0
+    assert delta("specdec_spec_decode_num_draft_tokens_stopped_total", drafter=drafter) == 0  # no early stop asked
     target_metrics = _scrape(stack.target.metrics_port)  # the target's own registry
     assert target_metrics[("specdec_target_active_sessions", ())] == 0
     assert target_metrics[("specdec_target_calls_total", (("method", "verify"),))] >= s.rounds
+
+
+def test_confidence_early_stop_shortens_spans_not_output(stack: Stack) -> None:
+    """A request's min_confidence makes the drafter end a span before any
+    token it is less sure of (after the first): spans get shorter, the
+    tokens the policy asked for but did not get are counted, and greedy
+    output is still the target's."""
+    port = stack.orchestrator.servicer.metrics_port
+    off = stack.generate(prompt="confidence", mode="off", max_new_tokens=24)
+    before = _scrape(port)
+    r = stack.generate(prompt="confidence", mode="fixed", gamma=4, max_new_tokens=24, min_confidence=0.999)
+    after = _scrape(port)
+    s = r["stats"]
+    assert r["token_ids"] == off["token_ids"]
+    # the tiny random draft is never 99.9 % sure: one token per span
+    assert set(s.gamma_trajectory) == {1}
+    generated, asked = 1, 0  # the prefill commits the first token
+    for g, acc in zip(s.gamma_trajectory, s.accepted_per_round):
+        asked += min(4, 24 - generated - 1)
+        generated += acc + 1
+    key = ("specdec_spec_decode_num_draft_tokens_stopped_total", (("drafter", s.drafter),))
+    assert after.get(key, 0.0) - before.get(key, 0.0) == asked - s.draft_tokens > 0
+    full = stack.generate(prompt="confidence", mode="fixed", gamma=4, max_new_tokens=24)["stats"]
+    assert max(full.gamma_trajectory) == 4
 
 
 def test_partial_acceptance_keeps_both_caches_right(far_stack: Stack) -> None:

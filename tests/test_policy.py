@@ -4,6 +4,7 @@ whose optimal γ is known analytically."""
 from __future__ import annotations
 
 import random
+from typing import Any
 from collections import Counter
 
 import pytest
@@ -254,3 +255,59 @@ def test_batched_target_load_turns_speculation_down(rows: int, expect_speculatio
     speculating = sum(1 for g in tail if g > 0) / len(tail)
     # (γ = 0 rounds are interleaved with probes and Thompson exploration)
     assert (speculating > 0.9) if expect_speculation else (speculating < 0.25), (rows, Counter(tail))
+
+
+def _trained_policy(alpha: float, cfg: AdaptiveConfig, rounds: int = 120) -> AdaptivePolicy:
+    rng = random.Random(7)
+    policy = AdaptivePolicy(AcceptancePrior(), CostModel(verify_slope_ms=8.0, draft_token_ms=20.0), cfg)
+    for _ in range(rounds):
+        g = policy.next_gamma()
+        policy.observe(simulate_round(rng, alpha, g, t_step=200.0, c=0.1, slope=0.05, rtt=2.0))
+    policy.next_gamma()  # scores for the round about to be drafted
+    return policy
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.7])
+def test_confidence_stop_is_the_break_even_acceptance_of_one_more_token(alpha: float) -> None:
+    """The derived threshold τ is the acceptance probability at which drafting
+    one more token leaves expected tokens per ms unchanged: a token accepted
+    with probability above τ raises the round's E/T, below τ lowers it."""
+    policy = _trained_policy(alpha, AdaptiveConfig(gamma_max=8, confidence_max=0.99))
+    tau = policy.stop_confidence()
+    scores = policy.scores()
+    g = max(range(1, 9), key=lambda k: scores[k])
+    e, t = expected_tokens(policy.alphas(), g), policy.round_ms(g)
+    m = policy.costs.marginal_token_ms()
+    assert m is not None and 0.0 < tau < 0.99
+    assert (e + 1.05 * tau) / (t + m) > e / t > (e + 0.95 * tau) / (t + m)
+
+
+def test_confidence_stop_rises_with_the_rounds_yield_is_capped_and_can_be_turned_off() -> None:
+    low = _trained_policy(0.5, AdaptiveConfig(gamma_max=8, confidence_max=0.99)).stop_confidence()
+    high = _trained_policy(0.95, AdaptiveConfig(gamma_max=8, confidence_max=0.99)).stop_confidence()
+    assert 0.0 < low < high  # a round that yields more per ms makes a doubtful token cost more
+    assert _trained_policy(0.95, AdaptiveConfig(gamma_max=8)).stop_confidence() == pytest.approx(0.4)  # the cap
+    assert _trained_policy(0.95, AdaptiveConfig(gamma_max=8, confidence_scale=0.0)).stop_confidence() == 0.0
+    assert HeuristicPolicy().stop_confidence() == 0.0
+    assert PolicyFactory().make("fixed", 4, "d").stop_confidence() == 0.0
+
+
+def test_cli_hands_the_confidence_stop_to_the_orchestrator_and_refuses_bad_values() -> None:
+    from orchestrator.server import OrchestratorServicer
+    from specdec.cli import build_parser, cmd_up, orchestrator_config
+
+    def config(*flags: str) -> Any:
+        a = build_parser().parse_args(["serve", "orchestrator", *flags])
+        a.target_model = "tiny"  # as cmd_serve sets it
+        return orchestrator_config(a, 0)
+
+    assert config().confidence_stop_scale == 1.0 and config().min_confidence == 0.0
+    cfg = config("--confidence-stop-scale", "0.5", "--min-confidence", "0.3")
+    assert (cfg.confidence_stop_scale, cfg.min_confidence) == (0.5, 0.3)
+    servicer = OrchestratorServicer(cfg, None, None, None, None)  # type: ignore[arg-type]
+    assert servicer.policies.adaptive.confidence_scale == 0.5
+    for flags in (["--confidence-stop-scale", "-1"], ["--min-confidence", "1.0"], ["--min-confidence", "-0.1"]):
+        with pytest.raises(SystemExit, match="specdec: --(confidence-stop-scale|min-confidence) must be in"):
+            config(*flags)
+    with pytest.raises(SystemExit, match="specdec: --confidence-stop-scale must be in"):
+        cmd_up(build_parser().parse_args(["up", "--confidence-stop-scale", "-2"]))
