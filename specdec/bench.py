@@ -307,6 +307,9 @@ def to_markdown(res: dict[str, Any], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+POLICY_LINES = {"auto": "--", "heuristic": ":", "auto-nostop": "-."}  # line styles in the γ-sweep plot
+
+
 def _conf(r: dict[str, Any]) -> tuple[str, str, int]:
     return (r["drafter"], r["mode"], r["gamma"])
 
@@ -371,10 +374,10 @@ def plots(res: dict[str, Any], out: Path) -> list[Path]:
             ax.plot([g for g, _ in pts], [v for _, v in pts], marker="o", color=color,
                     label=f"{cat} ({drafter})" if drafter else cat)
             for (c, k), v in table.items():
-                if c == cat and k[0] == drafter and k[1] in ("auto", "heuristic"):
-                    ax.axhline(v, color=color, ls="--" if k[1] == "auto" else ":", lw=1)
+                if c == cat and k[0] == drafter and k[1] in POLICY_LINES:
+                    ax.axhline(v, color=color, ls=POLICY_LINES[k[1]], lw=1)
         ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xlabel("fixed γ (dashed: AUTO/adaptive, dotted: HF heuristic)")
+        ax.set_xlabel("fixed γ (dashed: AUTO/adaptive, dotted: HF heuristic, dash-dot: AUTO without confidence stop)")
         ax.set_ylabel("speedup over target-only")
         ax.legend(fontsize=7)
         fig.tight_layout()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -143,8 +144,18 @@ def target_config(a: argparse.Namespace, port: int) -> Any:
     try:
         cfg.batch_limits()
     except ValueError as e:
-        raise SystemExit(f"specdec: {e}") from None
+        # name the flags the user typed, not the config fields behind them
+        prefix = "target-" if getattr(a, "cmd", "") == "up" else ""
+        msg = str(e)
+        for field_name, flag in _BATCH_FLAGS.items():
+            msg = re.sub(rf"\b{field_name}\b", f"--{prefix}{flag}", msg)
+        raise SystemExit(f"specdec: {msg}") from None
     return cfg
+
+
+_BATCH_FLAGS = {"max_batch_size": "max-batch-size", "max_batch_tokens": "max-batch-tokens",
+                "max_batch_kv_tokens": "kv-budget-tokens", "batch_window_ms": "batch-window-ms",
+                "regroup_ms": "batch-regroup-ms"}
 
 
 def draft_config(a: argparse.Namespace, port: int) -> Any:
