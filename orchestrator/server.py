@@ -60,7 +60,7 @@ class MetricsSink:
             m.num_draft_tokens.labels(drafter).inc(obs.gamma)
             m.num_accepted_tokens.labels(drafter).inc(obs.accepted)
             if obs.requested > obs.gamma:
-                m.draft_tokens_not_drafted.labels(drafter).inc(obs.requested - obs.gamma)
+                m.num_draft_tokens_stopped.labels(drafter).inc(obs.requested - obs.gamma)
             for i in range(obs.accepted):
                 m.accepted_per_pos.labels(drafter, str(i)).inc()
             m.draft_time.observe(obs.draft_compute_ms / 1e3)

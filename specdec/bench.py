@@ -25,7 +25,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, TypeVar
+
+T = TypeVar("T")
 
 REPO_PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "prompts.jsonl"
 
@@ -76,18 +78,31 @@ def alpha_from_mean(mean_len: float, gamma: int) -> float:
     return (lo + hi) / 2
 
 
+# speculation mode names the benchmarks and `specdec generate` take → the
+# request's SpeculationMode; "auto-nostop" is AUTO with a min_confidence no
+# top probability is below (it is ≥ 1/vocab): AUTO without its early stop
+MODES = {"off": "SPECULATION_MODE_OFF", "fixed": "SPECULATION_MODE_FIXED", "auto": "SPECULATION_MODE_AUTO",
+         "heuristic": "SPECULATION_MODE_HEURISTIC", "auto-nostop": "SPECULATION_MODE_AUTO"}
+NO_STOP_CONFIDENCE = 1e-7
+
+
+def speculation_config(mode: str, gamma: int = 0, drafter: str = "", min_confidence: float = 0.0) -> Any:
+    """The request's ``SpeculationConfig`` for one of ``MODES``."""
+    from specdec.v1 import orchestrator_pb2 as pb
+
+    if mode == "auto-nostop":
+        min_confidence = NO_STOP_CONFIDENCE
+    return pb.SpeculationConfig(mode=getattr(pb, MODES[mode]), num_draft_tokens=gamma, drafter=drafter,
+                                min_confidence=min_confidence)
+
+
 def _generate(stub: Any, prompt: dict[str, Any], mode: str, gamma: int, max_new: int, drafter: str = "") -> dict[str, Any]:
     from specdec.v1 import orchestrator_pb2 as pb
 
-    modes = {"off": pb.SPECULATION_MODE_OFF, "fixed": pb.SPECULATION_MODE_FIXED, "auto": pb.SPECULATION_MODE_AUTO,
-             "heuristic": pb.SPECULATION_MODE_HEURISTIC, "auto-nostop": pb.SPECULATION_MODE_AUTO}
     req = pb.GenerateRequest(
         max_new_tokens=max_new,
         return_logit_gaps=True,
-        speculation=pb.SpeculationConfig(mode=modes[mode], num_draft_tokens=gamma, drafter=drafter,
-                                         # a threshold no top probability is below (it is ≥ 1/vocab):
-                                         # AUTO without its confidence early stop
-                                         min_confidence=1e-7 if mode == "auto-nostop" else 0.0),
+        speculation=speculation_config(mode, gamma, drafter),
     )
     if prompt.get("chat"):
         req.messages.append(pb.ChatMessage(role="user", content=prompt["prompt"]))
@@ -192,6 +207,14 @@ def acceptance_per_position(gammas: list[int], accepted: list[int], n: int = 8) 
     return out
 
 
+def alternating(items: Sequence[T], repeats: int) -> Iterator[T]:
+    """``items`` ``repeats`` times (at least once), forwards, then backwards,
+    ... (ABBA for two items): a drift of a shared machine over the run falls
+    on every item alike instead of on whichever runs first."""
+    for rep in range(max(1, repeats)):
+        yield from (items if rep % 2 == 0 else items[::-1])
+
+
 def _best_of_rounds(
     stub: Any, prompt: dict[str, Any], schedule: list[tuple[str, int, str]], max_new: int, repeats: int
 ) -> dict[tuple[str, int, str], dict[str, Any]]:
@@ -200,11 +223,10 @@ def _best_of_rounds(
     fastest run. Interleaving (rather than back-to-back repeats) spreads a
     slow spell of a shared machine over all configurations."""
     best: dict[tuple[str, int, str], dict[str, Any]] = {}
-    for rep in range(max(1, repeats)):
-        for key in schedule if rep % 2 == 0 else schedule[::-1]:
-            run = _generate(stub, prompt, key[0], key[1], max_new, key[2])
-            if key not in best or run["tokens_per_second"] > best[key]["tokens_per_second"]:
-                best[key] = run
+    for key in alternating(schedule, repeats):
+        run = _generate(stub, prompt, key[0], key[1], max_new, key[2])
+        if key not in best or run["tokens_per_second"] > best[key]["tokens_per_second"]:
+            best[key] = run
     return best
 
 
@@ -218,9 +240,9 @@ def run_bench(a: argparse.Namespace, orch: str, target: str) -> dict[str, Any]:
         prompts = [p for p in prompts if p["id"] in a.only]
     configs = [("fixed", int(g)) for g in str(a.gammas).split(",") if g]
     configs += [(p.strip(), 0) for p in str(a.policies).split(",") if p.strip()]
-    unknown = sorted({m for m, _ in configs} - {"fixed", "auto", "heuristic", "auto-nostop"})
+    unknown = sorted({m for m, _ in configs} - set(MODES))
     if unknown:
-        raise SystemExit(f"specdec bench: unknown --policies {', '.join(unknown)} (auto, heuristic, auto-nostop)")
+        raise SystemExit(f"specdec bench: unknown --policies {', '.join(unknown)} ({', '.join(MODES)})")
     drafters = [d.strip() for d in str(a.drafters).split(",") if d.strip()] or [""]
     rows: list[dict[str, Any]] = []
     with grpc.insecure_channel(orch) as ch:

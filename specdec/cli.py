@@ -58,6 +58,17 @@ def _add_batch_flags(p: argparse._ActionsContainer, prefix: str = "") -> None:
                    help="pending model calls before RESOURCE_EXHAUSTED")
 
 
+def _add_speculation_flags(p: argparse._ActionsContainer) -> None:
+    """The orchestrator's speculation defaults (``specdec serve orchestrator`` and ``specdec up``)."""
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="default γ (FIXED and HEURISTIC's start)")
+    p.add_argument("--speculation-max-streams", type=int, default=-1,
+                   help="AUTO speculates only while at most this many streams are active "
+                        "(-1 = 1 for a CPU target, unlimited on accelerators; 0 = unlimited)")
+    p.add_argument("--confidence-stop-scale", type=float, default=1.0,
+                   help="AUTO's draft confidence early stop: scale × (tokens/ms) × (ms per drafted token), "
+                        "capped at 0.4; 0 = no early stop")
+
+
 def _add_draft_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument(f"--{prefix}model", dest="draft_model", default=DEFAULT_DRAFT, help="draft model spec")
     p.add_argument(f"--{prefix}precision", dest="draft_precision", default="int4", choices=["int4", "int8", "fp32", "fp16"],
@@ -401,17 +412,15 @@ def cmd_up(a: argparse.Namespace) -> int:
 
 # -------------------------------------------------------------- generate
 def build_request(a: argparse.Namespace) -> Any:
+    from specdec.bench import speculation_config
     from specdec.v1 import common_pb2
     from specdec.v1 import orchestrator_pb2 as pb
 
-    modes = {"auto": pb.SPECULATION_MODE_AUTO, "off": pb.SPECULATION_MODE_OFF, "fixed": pb.SPECULATION_MODE_FIXED,
-             "heuristic": pb.SPECULATION_MODE_HEURISTIC}
     req = pb.GenerateRequest(
         max_new_tokens=a.max_new_tokens,
         stop=a.stop or [],
         ignore_eos=a.ignore_eos,
-        speculation=pb.SpeculationConfig(mode=modes[a.mode], num_draft_tokens=a.num_draft_tokens, drafter=a.drafter,
-                                         min_confidence=a.min_confidence),
+        speculation=speculation_config(a.mode, a.num_draft_tokens, a.drafter, a.min_confidence),
         sampling=common_pb2.SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k),
     )
     if a.seed is not None:
@@ -534,13 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--draft-port", type=int, default=DEFAULT_PORTS["draft"])
     _add_target_flags(up, "target-")
     _add_draft_flags(up, "draft-")
-    up.add_argument("--num-draft-tokens", type=int, default=4, help="default γ")
-    up.add_argument("--speculation-max-streams", type=int, default=-1,
-                    help="AUTO speculates only while at most this many streams are active "
-                         "(-1 = 1 for a CPU target, unlimited on accelerators; 0 = unlimited)")
-    up.add_argument("--confidence-stop-scale", type=float, default=1.0,
-                    help="AUTO's draft confidence early stop: scale × (tokens/ms) × (ms per drafted token), "
-                         "capped at 0.4; 0 = no early stop")
+    _add_speculation_flags(up)
     up.add_argument("--metrics-port", type=int, default=9464,
                     help="orchestrator /metrics port; draft and target use the next two (0 = off)")
     up.add_argument("--no-draft", action="store_true", help="run without a draft service (target-only)")
@@ -585,16 +588,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a replica that failed a call gets no new sessions (doubles per failure, max 30)")
     o.add_argument("--target-load-factor", type=float, default=1.25,
                    help="bounded-load hashing: a target replica takes at most this × the mean sessions")
-    o.add_argument("--num-draft-tokens", type=int, default=4)
+    _add_speculation_flags(o)
     o.add_argument("--default-max-new-tokens", type=int, default=256)
     o.add_argument("--min-confidence", type=float, default=0.0,
                    help="fixed draft confidence early stop for AUTO (0 = the adaptive policy's derived threshold)")
-    o.add_argument("--confidence-stop-scale", type=float, default=1.0,
-                   help="AUTO's derived confidence stop: scale × (tokens/ms) × (ms per drafted token), "
-                        "capped at 0.4; 0 = no early stop")
-    o.add_argument("--speculation-max-streams", type=int, default=-1,
-                   help="AUTO speculates only while at most this many streams are active "
-                        "(-1 = 1 for a CPU target, unlimited on accelerators; 0 = unlimited)")
     o.add_argument("--upstream-ca", type=Path, default=None,
                    help="CA that signs the draft/target certificates; enables TLS to them")
     o.add_argument("--upstream-cert", type=Path, default=None, help="client certificate for mutual TLS to draft/target")

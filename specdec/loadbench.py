@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdec.bench import REPO_PROMPTS, launched_stack, pyplot
+from specdec.bench import REPO_PROMPTS, alternating, launched_stack, pyplot, speculation_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -150,10 +150,7 @@ def _one_request(stub: Any, prompt: dict[str, Any], mode: str, gamma: int, max_n
 
     from specdec.v1 import orchestrator_pb2 as pb
 
-    modes = {"off": pb.SPECULATION_MODE_OFF, "fixed": pb.SPECULATION_MODE_FIXED, "auto": pb.SPECULATION_MODE_AUTO,
-             "heuristic": pb.SPECULATION_MODE_HEURISTIC}
-    req = pb.GenerateRequest(max_new_tokens=max_new, ignore_eos=True,
-                             speculation=pb.SpeculationConfig(mode=modes[mode], num_draft_tokens=gamma))
+    req = pb.GenerateRequest(max_new_tokens=max_new, ignore_eos=True, speculation=speculation_config(mode, gamma))
     if prompt.get("chat"):
         req.messages.append(pb.ChatMessage(role="user", content=prompt["prompt"]))
     else:
@@ -284,17 +281,14 @@ def run_config(address: str, label: str, pids: dict[str, int], metrics_url: str,
             runs: dict[str, list[tuple[list[RequestResult], float]]] = {m: [] for m in modes}
             batch = {m: [0.0, 0.0] for m in modes}  # batch-size histogram sum, count
             t_start = time.monotonic() - rss.t0
-            for rep in range(max(1, a.repeats)):
-                # ABBA order: a drift over the run (heat, caches, a neighbour)
-                # falls on both modes alike instead of on whichever runs first
-                for m in modes if rep % 2 == 0 else modes[::-1]:
-                    before = _scrape_batch(metrics_url)
-                    runs[m].append(run_point(address, prompts, n, m, a))
-                    after = _scrape_batch(metrics_url)
-                    rss.sample()
-                    if before and after:
-                        batch[m][0] += after[0] - before[0]
-                        batch[m][1] += after[1] - before[1]
+            for m in alternating(modes, a.repeats):  # ABBA order
+                before = _scrape_batch(metrics_url)
+                runs[m].append(run_point(address, prompts, n, m, a))
+                after = _scrape_batch(metrics_url)
+                rss.sample()
+                if before and after:
+                    batch[m][0] += after[0] - before[0]
+                    batch[m][1] += after[1] - before[1]
             for m in modes:
                 row = summarise(n, m, runs[m])
                 row["config"] = label

@@ -42,7 +42,7 @@ class OrchestratorMetrics:
     num_draft_tokens: Counter
     num_accepted_tokens: Counter
     accepted_per_pos: Counter
-    draft_tokens_not_drafted: Counter
+    num_draft_tokens_stopped: Counter
     rounds: Counter
     generated_tokens: Counter
     requests: Counter
@@ -69,7 +69,7 @@ class OrchestratorMetrics:
             num_draft_tokens=Counter("specdec_spec_decode_num_draft_tokens", "Drafted tokens sent for verification.", ["drafter"], registry=r),
             num_accepted_tokens=Counter("specdec_spec_decode_num_accepted_tokens", "Drafted tokens accepted by the target.", ["drafter"], registry=r),
             accepted_per_pos=Counter("specdec_spec_decode_num_accepted_tokens_per_pos", "Accepted drafted tokens by position in the span (0-based).", ["drafter", "position"], registry=r),
-            draft_tokens_not_drafted=Counter("specdec_spec_decode_num_draft_tokens_stopped", "Tokens the policy asked for but the drafter did not draft (confidence early stop, context limit).", ["drafter"], registry=r),
+            num_draft_tokens_stopped=Counter("specdec_spec_decode_num_draft_tokens_stopped", "Tokens the policy asked for but the drafter did not draft (confidence early stop, context limit).", ["drafter"], registry=r),
             rounds=Counter("specdec_rounds", "Verify rounds (including γ = 0 plain decoding steps).", registry=r),
             generated_tokens=Counter("specdec_generated_tokens", "Tokens streamed to clients.", registry=r),
             requests=Counter("specdec_requests", "Finished Generate requests.", ["finish_reason"], registry=r),
