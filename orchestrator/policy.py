@@ -213,11 +213,21 @@ class CostModel:
     never lower throughput).
     """
 
+    #: pseudo-observations of the prior curve at each k (a live mean at k
+    #: outweighs the prior there after a few passes)
+    PRIOR_STRENGTH = 2.0
+
     def __init__(self, halflife: float = 64.0, verify_slope_ms: float = 8.0, draft_token_ms: float = 20.0) -> None:
         self._w = 0.5 ** (1.0 / halflife)
         self.verify_slope_ms = verify_slope_ms
         self.draft_token_ms = draft_token_ms
         self._verify = _WeightedLine()
+        # the target's measured t(k) (GetModelInfo.forward_cost) and the live
+        # per-k means that replace it: (weight, weighted sum of ms) per k
+        self._prior: dict[int, float] = {}
+        self._live: dict[int, list[float]] = {}
+        self._ratio = [0.0, 0.0]  # weighted (Σ observed / prior, Σ weight): the prior's level correction
+        self._draft_prior_ms = 0.0
         self._rows = 0.0
         self._net = 0.0
         self._verify_n = 0.0
@@ -227,6 +237,20 @@ class CostModel:
         self._draft_n = 0.0
         self._lock = threading.Lock()
 
+    def set_prior(self, verify_curve: dict[int, float] | None = None, draft_token_ms: float = 0.0) -> None:
+        """Starts from measured costs: the target's t(k) (ms for a forward
+        pass of k tokens, any shape of curve) and the draft's compute per
+        token. Live measurements replace them as rounds are observed."""
+        with self._lock:
+            if verify_curve:
+                self._prior = {int(k): float(v) for k, v in verify_curve.items() if v > 0}
+            if draft_token_ms > 0:
+                self._draft_prior_ms = float(draft_token_ms)
+
+    @property
+    def has_prior(self) -> bool:
+        return bool(self._prior)
+
     def observe(self, obs: RoundObservation) -> None:
         w = self._w
         with self._lock:
@@ -234,6 +258,16 @@ class CostModel:
                 compute = obs.verify_compute_ms if obs.verify_compute_ms > 0 else obs.verify_ms
                 x = obs.batch_tokens if obs.batch_tokens > 0 else obs.tokens_in_pass
                 self._verify.add(x, compute, w)
+                if self._prior:
+                    for cell in self._live.values():
+                        cell[0] *= w
+                        cell[1] *= w
+                    cell = self._live.setdefault(int(x), [0.0, 0.0])
+                    cell[0] += 1.0
+                    cell[1] += compute
+                    ref = _interpolate(self._prior, x)
+                    if ref > 0:
+                        self._ratio = [self._ratio[0] * w + compute / ref, self._ratio[1] * w + 1.0]
                 self._rows = self._rows * w + max(1, obs.batch_size)
                 self._net = self._net * w + max(0.0, obs.verify_ms - compute - obs.verify_queue_ms)
                 self._verify_n = self._verify_n * w + 1.0
@@ -244,8 +278,38 @@ class CostModel:
                 self._draft_rtt = self._draft_rtt * w + max(0.0, obs.draft_ms - compute)
                 self._draft_n = self._draft_n * w + 1.0
 
+    def forward_ms(self, x: float) -> float | None:
+        """The target's forward pass of x tokens (alone): with a prior curve,
+        the live mean at x blended with the prior (scaled by the live level
+        correction) by their weights; else the live line fit. None before
+        any prior or data."""
+        with self._lock:
+            return self._forward_ms(x)
+
+    def _forward_ms(self, x: float) -> float | None:
+        if self._prior:
+            scale = self._ratio[0] / self._ratio[1] if self._ratio[1] > 1e-9 else 1.0
+            base = scale * _interpolate(self._prior, x)
+            cell = self._live.get(int(x)) if float(x).is_integer() else None
+            if cell is None or cell[0] < 1e-9:
+                return base
+            return (cell[1] + self.PRIOR_STRENGTH * base) / (cell[0] + self.PRIOR_STRENGTH)
+        fit = self._verify.fit(self.verify_slope_ms)
+        if fit is None:
+            return None
+        return fit[0] + fit[1] * x
+
     def verify_ms(self, k: int) -> float | None:
         with self._lock:
+            if self._prior:
+                # a request's share of a pass: the fixed part (a 1-token
+                # step) is shared by the B rows of a batch, the tokens it adds
+                # beyond one are its own
+                one, own = self._forward_ms(1), self._forward_ms(k)
+                assert one is not None and own is not None
+                rows = max(1.0, self._rows / self._verify_n) if self._verify_n > 1e-9 else 1.0
+                net = self._net / self._verify_n if self._verify_n > 1e-9 else 0.0
+                return one / rows + max(0.0, own - one) + net
             fit = self._verify.fit(self.verify_slope_ms)
             if fit is None:
                 return None
@@ -253,21 +317,49 @@ class CostModel:
             rows = max(1.0, self._rows / self._verify_n)
             return max(0.0, a) / rows + b * k + self._net / self._verify_n
 
-    def marginal_token_ms(self) -> float | None:
-        """What one more drafted token adds to a round: its draft compute plus
-        the verify pass's slope b (None before any draft data)."""
+    def marginal_token_ms(self, k: int = 1) -> float | None:
+        """What one more drafted token adds to a round whose verify pass has
+        k tokens: its draft compute plus t(k+1) − t(k) (the line fit's slope
+        without a prior curve). None before any draft cost is known."""
         with self._lock:
-            fit = self._verify.fit(self.verify_slope_ms)
-            if fit is None or self._draft_tokens < 1e-9:
+            if self._draft_tokens > 1e-9:
+                per_token = self._draft_compute / self._draft_tokens
+            elif self._draft_prior_ms > 0:
+                per_token = self._draft_prior_ms
+            else:
                 return None
-            return self._draft_compute / self._draft_tokens + fit[1]
+            if self._prior:
+                hi, lo = self._forward_ms(k + 1), self._forward_ms(k)
+                assert hi is not None and lo is not None
+                return per_token + max(0.0, hi - lo)
+            fit = self._verify.fit(self.verify_slope_ms)
+            if fit is None:
+                return None
+            return per_token + fit[1]
 
     def draft_ms(self, gamma: int) -> float | None:
         with self._lock:
             if self._draft_n < 1e-9:
+                if self._draft_prior_ms > 0:
+                    return self._draft_prior_ms * gamma
                 return None
             per_token = self._draft_compute / self._draft_tokens
             return self._draft_rtt / self._draft_n + per_token * gamma
+
+
+def _interpolate(curve: dict[int, float], x: float) -> float:
+    """Piecewise-linear t(x) through the measured points; the last
+    segment's slope past the largest x, flat below the smallest."""
+    ks = sorted(curve)
+    if x <= ks[0]:
+        return curve[ks[0]]
+    for lo, hi in zip(ks, ks[1:]):
+        if x <= hi:
+            return curve[lo] + (curve[hi] - curve[lo]) * (x - lo) / (hi - lo)
+    if len(ks) == 1:
+        return curve[ks[0]]
+    lo, hi = ks[-2], ks[-1]
+    return curve[hi] + max(0.0, (curve[hi] - curve[lo]) / (hi - lo)) * (x - hi)
 
 
 @dataclass
@@ -453,7 +545,8 @@ class AdaptivePolicy:
         scale = self.cfg.confidence_scale
         if scale <= 0 or not self.last_scores:
             return 0.0
-        m = self.costs.marginal_token_ms()
+        planned = max(self.last_scores, key=lambda g: self.last_scores[g])
+        m = self.costs.marginal_token_ms(planned + 1)
         if m is None:
             m = self.cfg.default_draft_token_ms + self.cfg.default_verify_slope_ms
         return min(self.cfg.confidence_max, scale * max(self.last_scores.values()) * m)
@@ -503,6 +596,9 @@ class PolicyFactory:
     priors: dict[str, AcceptancePrior] = field(default_factory=dict)
     costs: dict[str, CostModel] = field(default_factory=dict)
     allow: Callable[[], bool] | None = None  # load gate handed to every adaptive policy
+    # measured cost priors (set_cost_priors): the target's t(k), per-drafter ms/token
+    verify_curve: dict[int, float] = field(default_factory=dict)
+    draft_token_ms: dict[str, float] = field(default_factory=dict)
     _made: int = 0
 
     def make(self, mode: str, gamma: int, drafter: str) -> DraftLengthPolicy:
@@ -517,12 +613,27 @@ class PolicyFactory:
         self._made += 1
         return AdaptivePolicy(prior, costs, cfg, seed=self._made, update_shared=False, allow=self.allow)
 
+    def set_cost_priors(self, verify_curve: dict[int, float] | None = None,
+                        draft_token_ms: dict[str, float] | None = None) -> None:
+        """Measured costs to start every drafter's cost model from: the
+        target's t(k) (the same target serves every drafter) and each
+        drafter's compute per token."""
+        if verify_curve:
+            self.verify_curve = dict(verify_curve)
+        for name, ms in (draft_token_ms or {}).items():
+            if ms > 0:
+                self.draft_token_ms[name] = ms
+        for name, costs in self.costs.items():
+            costs.set_prior(self.verify_curve, self.draft_token_ms.get(name, 0.0))
+
     def _shared(self, drafter: str) -> tuple[AcceptancePrior, CostModel]:
         cfg = self.adaptive
         prior = self.priors.setdefault(drafter, AcceptancePrior(max_positions=max(16, cfg.gamma_max)))
-        costs = self.costs.setdefault(
-            drafter, CostModel(verify_slope_ms=cfg.default_verify_slope_ms, draft_token_ms=cfg.default_draft_token_ms)
-        )
+        costs = self.costs.get(drafter)
+        if costs is None:
+            costs = CostModel(verify_slope_ms=cfg.default_verify_slope_ms, draft_token_ms=cfg.default_draft_token_ms)
+            costs.set_prior(self.verify_curve, self.draft_token_ms.get(drafter, 0.0))
+            self.costs[drafter] = costs
         return prior, costs
 
     def observe(self, obs: RoundObservation, drafter: str) -> None:

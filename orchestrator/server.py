@@ -454,7 +454,10 @@ async def _attach_draft(
         return
     servicer.draft = draft
     servicer.default_drafter = dinfo.drafter or dinfo.model_name
-    log(logger, logging.INFO, "draft service attached", draft=dinfo.model_name)
+    if dinfo.forward_cost:
+        servicer.policies.set_cost_priors(draft_token_ms={servicer.default_drafter: dinfo.forward_cost[0].ms})
+    log(logger, logging.INFO, "draft service attached", draft=dinfo.model_name,
+        draft_token_ms=dinfo.forward_cost[0].ms if dinfo.forward_cost else None)
 
 
 async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> OrchestratorServer:
@@ -527,11 +530,15 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
     limits = ModelLimits(info.vocab_size, frozenset(info.eos_token_ids), info.max_context_tokens)
     servicer = OrchestratorServicer(config, tokenizer, target, None, limits, metrics)
     servicer.set_speculation_limit(speculation_stream_limit(config.speculation_max_streams, info.device))
+    # the target's measured t(k) starts every cost model (live rounds replace it)
+    servicer.policies.set_cost_priors(verify_curve={p.tokens: p.ms for p in info.forward_cost})
     servicer.metrics_port = serve_metrics(servicer.metrics.registry, config.metrics_port, config.metrics_host)
     holder["s"] = servicer
     tasks = []
     if draft is not None:
         tasks.append(asyncio.create_task(_attach_draft(servicer, draft, info, ready_timeout_s)))
     await handle.set_serving(True)
-    log(logger, logging.INFO, "orchestrator ready", port=handle.port, target=info.model_name)
+    log(logger, logging.INFO, "orchestrator ready", port=handle.port, target=info.model_name,
+        target_dtype=info.dtype, target_backend=info.backend,
+        target_forward_ms={p.tokens: round(p.ms, 1) for p in info.forward_cost})
     return OrchestratorServer(handle, servicer, routers, tasks, guard)

@@ -1,33 +1,42 @@
 #!/usr/bin/env bash
-# GPU check: on a machine with CUDA, install what is needed, run the default
-# pair (target on CUDA in bf16, draft on the CUDA execution provider) through
-# the services and print the benchmark. Never used by CI.
+# GPU check, offline, for the lent device machine (no network, at most 64 MiB
+# carried). Never used by CI. Runs in under 8 minutes on an H200:
+#   1. the exactness and end-to-end tests on tiny models, target on CUDA;
+#   2. t(k), k = 1..16, and batches 1..32 of the target and draft architectures
+#      (Qwen2.5-Coder 1.5B / 0.5B configs, random weights, bf16), eager and
+#      with CUDA graphs (scripts/gpu_costs.py);
+#   3. the per-round gRPC + orchestration overhead against a GPU step
+#      (scripts/round_overhead.py).
 #
-#   bash scripts/gpu_check.sh [OUT_DIR]
+#   bash scripts/gpu_wheels.sh        # here, once: the few wheels the GPU image lacks, into .gpu-wheels/
+#   then on the device machine (carry .gpu-wheels):
+#   OUT=$OUT bash scripts/gpu_check.sh
 #
-# Needs network access to PyPI (for the CUDA builds of torch and
-# onnxruntime-gpu and the model packages), or a pre-filled pip cache/wheelhouse
-# (PIP_FIND_LINKS) and a pre-filled $SPECDEC_CACHE_DIR.
-set -euo pipefail
+# The image has torch (CUDA), transformers, grpcio, protobuf, onnxruntime (CPU),
+# pytest, scipy and prometheus-client; .gpu-wheels adds grpcio-health-checking,
+# grpcio-reflection, gguf and onnxruntime-genai (the tiny drafts' ONNX export).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-bench-out/gpu}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+OUT=${OUT:-${1:-gpu-out}}
+mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-[ -x .venv-gpu/bin/python ] || "$PY" -m venv .venv-gpu
-.venv-gpu/bin/python -m pip install -q --upgrade pip
-.venv-gpu/bin/python -c "import torch; assert torch.cuda.is_available()" 2>/dev/null \
-  || .venv-gpu/bin/python -m pip install -q torch
-.venv-gpu/bin/python -m pip install -q -e ".[export,bench,dev]"
-# onnxruntime-gpu replaces the CPU build (same module name)
-.venv-gpu/bin/python -m pip uninstall -q -y onnxruntime || true
-.venv-gpu/bin/python -m pip install -q onnxruntime-gpu
-.venv-gpu/bin/python - <<'PY'
-import onnxruntime as ort, torch
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia-smi.txt"
+if [ -d .gpu-wheels ]; then
+  "$PY" -m pip install -q --no-index --no-deps --find-links .gpu-wheels .gpu-wheels/*.whl 2>&1 | tail -2
+fi
+"$PY" - <<'PY' | tee "$OUT/versions.txt"
+import torch, transformers, grpc
 print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0))
-print("onnxruntime", ort.__version__, ort.get_available_providers())
-assert "CUDAExecutionProvider" in ort.get_available_providers(), "onnxruntime-gpu has no CUDA provider"
+print("transformers", transformers.__version__, "grpcio", grpc.__version__)
 PY
-.venv-gpu/bin/specdec models prepare
-.venv-gpu/bin/python -m specdec.cli bench --launch --target-dtype bfloat16 --gammas 2,4,8 \
-  --max-new-tokens 128 --out "$OUT" \
-  --up-args="--target-device cuda --draft-execution cuda --draft-precision fp16"
+status=0
+echo "== 1. tiny-model exactness and end-to-end tests, target on CUDA"
+timeout 300 "$PY" -m pytest -q -x -p no:cacheprovider -m "not real_model" \
+  tests/test_target_engine.py tests/test_sampling.py tests/test_backends.py tests/test_e2e_tiny.py \
+  tests/test_batching.py -k "not soak" 2>&1 | tee "$OUT/tests.txt" | tail -15 || status=1
+echo "== 2. cost curves (random-weight real architectures, bf16)"
+timeout 200 "$PY" scripts/gpu_costs.py --out "$OUT" 2>&1 | tail -40 || status=1
+echo "== 3. per-round overhead through gRPC"
+timeout 120 "$PY" scripts/round_overhead.py --device cuda --out "$OUT" 2>&1 | tail -20 || status=1
+exit $status

@@ -36,7 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default="127.0.0.1:50051", help="orchestrator address")
     p.add_argument("--target-address", default="127.0.0.1:50053", help="target address (for the cost curve)")
     p.add_argument("--launch", action="store_true", help="start `specdec up` for the run and stop it after")
-    p.add_argument("--target-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="with --launch")
+    p.add_argument("--target-dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="with --launch")
+    p.add_argument("--target-backend", default="auto", choices=["auto", "eager", "packed", "bf16w"], help="with --launch")
+    p.add_argument("--no-fastest-baseline", action="store_true",
+                   help="with --launch: skip target-only runs under the target's other calibrated (dtype, backend) "
+                        "pairs (by default each is launched target-only, and every speedup is also reported "
+                        "against the fastest target-only configuration on this machine)")
     p.add_argument("--target-model", default=None, help="with --launch")
     p.add_argument("--draft-model", default=None, help="with --launch")
     p.add_argument("--prompts", type=Path, default=REPO_PROMPTS)
@@ -309,8 +314,23 @@ def _md_row(r: dict[str, Any]) -> str:
     )
 
 
+def fastest_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: each row against the fastest target-only configuration."""
+    fastest = [r for r in rows if "speedup_vs_fastest_off" in r]
+    if not fastest:
+        return []
+    lines = ["", "Against the fastest target-only configuration on this machine (OFF under every calibrated "
+             "dtype/backend, each on its own stack):", "",
+             "| prompt | drafter | mode | γ | spec tok/s | this stack's OFF | fastest OFF | fastest OFF tok/s | speedup vs fastest |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['prompt']} | {r['drafter']} | {r['mode']} | {r['gamma'] or 'adaptive'} | {r['spec_tok_s']:.2f} | "
+              f"{r['baseline_tok_s']:.2f} | {r['fastest_off']} | {r['fastest_off_tok_s']:.2f} | "
+              f"{r['speedup_vs_fastest_off']:.2f}× |" for r in fastest]
+    return lines
+
+
 def to_markdown(res: dict[str, Any], meta: dict[str, Any]) -> str:
-    lines = [f"Run: {meta}", "", HEADER] + [_md_row(r) for r in res["rows"]]
+    lines = [f"Run: {meta}", "", HEADER] + [_md_row(r) for r in res["rows"]] + fastest_table(res["rows"])
     if res["rows"]:
         lines += ["", "Speedup over target-only by category (geometric mean over the category's prompts):", ""]
         table = category_table(res["rows"])
@@ -451,8 +471,10 @@ def launched_stack(
     with ``a``'s model flags, ``extra`` flags and ``a.up_args``; yields the
     process and the service addresses once all are SERVING, stops it after."""
     ready = Path(tempfile.mkdtemp()) / "ready.json"
-    cmd = [sys.executable, "-m", "specdec.cli", "up", "--ready-file", str(ready), "--target-dtype", a.target_dtype,
+    cmd = [sys.executable, "-m", "specdec.cli", "up", "--ready-file", str(ready),
            "--port", str(base_port), "--draft-port", str(base_port + 1), "--target-port", str(base_port + 2)]
+    if "--target-dtype" not in extra:
+        cmd += ["--target-dtype", a.target_dtype, "--target-backend", getattr(a, "target_backend", "auto")]
     if a.target_model:
         cmd += ["--target-model", a.target_model]
     if a.draft_model:
@@ -475,19 +497,95 @@ def launched_stack(
             proc.kill()
 
 
-def main(a: argparse.Namespace) -> int:
-    a.out.mkdir(parents=True, exist_ok=True)
-    if a.launch:
-        with launched_stack(a) as (_, addrs):
-            res = run_bench(a, addrs["orchestrator"], addrs["target"])
-    else:
-        res = run_bench(a, a.address, a.target_address)
+def target_numerics(target_address: str) -> dict[str, Any]:
+    """The target's chosen numerics and calibration (GetModelInfo)."""
+    import grpc
+
+    from specdec.v1 import common_pb2, target_pb2_grpc
+
+    with grpc.insecure_channel(target_address) as ch:
+        info = target_pb2_grpc.TargetStub(ch).GetModelInfo(common_pb2.ModelInfoRequest(), timeout=30)
+    return {
+        "dtype": info.dtype, "backend": info.backend, "chosen_by": info.numerics_chosen_by, "cpu_isa": info.cpu_isa,
+        "device": info.device, "forward_cost_ms": {p.tokens: p.ms for p in info.forward_cost},
+        "calibrated": {f"{c.dtype}/{c.backend}": {"score_tok_s": c.score_tokens_per_s,
+                                                  "forward_cost_ms": {p.tokens: p.ms for p in c.forward_cost}}
+                       for c in info.calibrated},
+    }
+
+
+def machine_meta() -> dict[str, Any]:
+    """The machine the bench runs on (with --launch, the services' machine too)."""
+    import os
     import platform
 
     import torch
 
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.machine(), "cpus": __import__("os").cpu_count(),
-            "torch": torch.__version__, "target_dtype": a.target_dtype, "max_new_tokens": a.max_new_tokens,
+    from target_service.backends import cpu_info
+
+    cpu = cpu_info()
+    return {"cpu": cpu.model, "isa": cpu.isa, "isa_flags": list(cpu.flags), "machine": platform.machine(),
+            "cpus": os.cpu_count(), "torch": torch.__version__,
+            "isa_env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+                        if k in os.environ}}
+
+
+def off_baselines(a: argparse.Namespace, prompts: list[dict[str, Any]], pairs: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Target-only tokens/s per prompt under each (dtype, backend) in
+    ``pairs``, each on its own launched target-only stack: what a user would
+    run instead of speculation on this machine."""
+    import grpc
+
+    from specdec.v1 import orchestrator_pb2_grpc
+
+    out: dict[str, dict[str, float]] = {}
+    for key in pairs:
+        dtype, backend = key.split("/")
+        print(f"[bench] target-only baseline under {key}", flush=True)
+        with launched_stack(a, ["--target-dtype", dtype, "--target-backend", backend, "--no-draft"], base_port=50071) as (_, addrs):
+            with grpc.insecure_channel(addrs["orchestrator"]) as ch:
+                stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
+                _generate(stub, {"prompt": "hello", "chat": False}, "off", 0, 4)  # warm-up
+                out[key] = {}
+                for prompt in prompts:
+                    best = max(_generate(stub, prompt, "off", 0, a.max_new_tokens)["tokens_per_second"]
+                               for _ in range(max(1, a.repeats)))
+                    out[key][prompt["id"]] = best
+                    print(f"[bench]   {prompt['id']}: {best:.2f} tok/s", flush=True)
+    return out
+
+
+def add_fastest_baseline(res: dict[str, Any], baselines: dict[str, dict[str, float]]) -> None:
+    """Every row's speedup against the fastest target-only run of its prompt
+    on this machine: this stack's OFF or OFF under another (dtype, backend)."""
+    chosen = f"{res['numerics']['dtype']}/{res['numerics']['backend']}"
+    for r in res["rows"]:
+        offs = {chosen: r["baseline_tok_s"], **{k: v[r["prompt"]] for k, v in baselines.items() if r["prompt"] in v}}
+        best = max(offs, key=lambda k: offs[k])
+        r["fastest_off"] = best
+        r["fastest_off_tok_s"] = offs[best]
+        r["speedup_vs_fastest_off"] = r["spec_tok_s"] / offs[best] if offs[best] else 0.0
+    res["off_baselines"] = baselines
+
+
+def main(a: argparse.Namespace) -> int:
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.launch:
+        with launched_stack(a) as (_, addrs):
+            numerics = target_numerics(addrs["target"])
+            res = run_bench(a, addrs["orchestrator"], addrs["target"])
+        res["numerics"] = numerics
+        others = [k for k in numerics["calibrated"] if k != f"{numerics['dtype']}/{numerics['backend']}"]
+        if others and not a.no_fastest_baseline:
+            prompts = [json.loads(line) for line in a.prompts.read_text().splitlines() if line.strip()]
+            prompts = [p for p in prompts if not a.only or p["id"] in a.only]
+            add_fastest_baseline(res, off_baselines(a, prompts, others))
+    else:
+        res = run_bench(a, a.address, a.target_address)
+        res["numerics"] = target_numerics(a.target_address)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), **machine_meta(),
+            "target_dtype": res["numerics"]["dtype"], "target_backend": res["numerics"]["backend"],
+            "target_numerics_chosen_by": res["numerics"]["chosen_by"], "max_new_tokens": a.max_new_tokens,
             "command": " ".join(sys.argv)}
     res["meta"] = meta
     (a.out / "results.json").write_text(json.dumps(res, indent=2))

@@ -36,11 +36,24 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def _add_target_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument(f"--{prefix}model", dest="target_model", default=DEFAULT_TARGET,
                    help="target model spec: built-in name, .gguf file, local HF dir or hub id")
-    p.add_argument(f"--{prefix}dtype", dest="target_dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    _add_numerics_flags(p, prefix)
     p.add_argument(f"--{prefix}device", dest="target_device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument(f"--{prefix}threads", dest="target_threads", type=int, default=0, help="torch CPU threads (0 = all)")
     p.add_argument(f"--{prefix}kv-budget-tokens", dest="target_kv_budget", type=int, default=65_536)
     _add_batch_flags(p, prefix)
+
+
+def _add_numerics_flags(p: argparse._ActionsContainer, prefix: str = "") -> None:
+    """The target's dtype and compute backend (``serve target`` and ``up``)."""
+    p.add_argument(f"--{prefix}dtype", dest="target_dtype", default="auto",
+                   choices=["auto", "bfloat16", "float32", "float16"],
+                   help="target dtype; auto = calibrated at start-up on CPU (bf16 on CUDA)")
+    p.add_argument(f"--{prefix}backend", dest="target_backend", default="auto", choices=["auto", "eager", "packed", "bf16w"],
+                   help="target compute backend: eager; packed (every linear prepacked for oneDNN, CPU); "
+                        "bf16w (bfloat16 linear weights, float32 activations, AVX2 kernel); auto = calibrated at start-up")
+    p.add_argument(f"--{prefix}calibrate", dest="target_calibrate", default="on", choices=["on", "off"],
+                   help="time the target's forward cost t(k) at start-up (cached per machine and model); "
+                        "off with dtype/backend auto takes bf16 eager untimed")
 
 
 def _add_batch_flags(p: argparse._ActionsContainer, prefix: str = "") -> None:
@@ -146,6 +159,7 @@ def target_config(a: argparse.Namespace, port: int) -> Any:
 
     cfg = TargetServiceConfig(
         model=a.target_model, host=a.host, port=port, dtype=a.target_dtype, device=a.target_device,
+        backend=a.target_backend, calibrate=a.target_calibrate == "on",
         threads=a.target_threads, cache_dir=a.cache_dir, kv_budget_tokens=a.target_kv_budget,
         metrics_port=a.metrics_port, metrics_host=a.metrics_host, health_port=a.health_port,
         tls=_server_tls(a),
@@ -314,6 +328,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     tport, dport, oport = a.target_port, a.draft_port, a.port
     cmds = {
         "target": base + ["target", "--port", str(tport), "--model", a.target_model, "--dtype", a.target_dtype,
+                          "--backend", a.target_backend, "--calibrate", a.target_calibrate,
                           "--device", a.target_device, "--threads", str(a.target_threads),
                           "--kv-budget-tokens", str(a.target_kv_budget),
                           "--max-batch-size", str(a.max_batch_size), "--batch-window-ms", str(a.batch_window_ms),
@@ -565,7 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = serve.add_argument_group("model (target and draft)")
     m.add_argument("--model", default=None, help=f"model spec (target default {DEFAULT_TARGET}, draft default {DEFAULT_DRAFT})")
     m.add_argument("--threads", type=int, default=0, help="CPU threads for the model (0 = all)")
-    m.add_argument("--dtype", dest="target_dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"], help="target dtype")
+    _add_numerics_flags(m)
     m.add_argument("--device", dest="target_device", default="auto", help="target device: auto | cpu | cuda | cuda:N")
     m.add_argument("--kv-budget-tokens", dest="target_kv_budget", type=int, default=65_536, help="target KV budget")
     _add_batch_flags(m)

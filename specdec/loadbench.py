@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdec.bench import REPO_PROMPTS, alternating, launched_stack, pyplot, speculation_config
+from specdec.bench import REPO_PROMPTS, alternating, launched_stack, machine_meta, pyplot, speculation_config, target_numerics
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rss-interval-s", type=float, default=0.5)
     p.add_argument("--label", default="running", help="without --launch: name of the measured configuration")
     p.add_argument("--out", type=Path, default=Path("loadbench-out"))
-    p.add_argument("--target-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="with --launch")
+    p.add_argument("--target-dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="with --launch")
+    p.add_argument("--target-backend", default="auto", choices=["auto", "eager", "packed", "bf16w"], help="with --launch")
     p.add_argument("--target-model", default=None, help="with --launch")
     p.add_argument("--draft-model", default=None, help="with --launch")
     p.add_argument("--cache-dir", type=Path, default=None, help="with --launch")
@@ -419,6 +420,7 @@ def main(a: argparse.Namespace) -> int:
         raise SystemExit("specdec loadbench: no prompts")
     rows: list[dict[str, Any]] = []
     rss: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    numerics: dict[str, Any] = {}
     if a.launch:
         for max_batch, window, regroup in _parse_batch_configs(a.batch_configs):
             label = config_label(max_batch, window, regroup)
@@ -427,6 +429,7 @@ def main(a: argparse.Namespace) -> int:
             if regroup is not None:
                 extra += ["--target-batch-regroup-ms", str(regroup)]
             with launched_stack(a, extra, base_port=50071) as (proc, addrs):  # target metrics on 9474 + 2
+                numerics = target_numerics(addrs["target"])
                 got, series = run_config(addrs["orchestrator"], label, child_service_pids(proc.pid),
                                          a.target_metrics or "http://127.0.0.1:9476/metrics", prompts, a)
             rows += got
@@ -439,7 +442,8 @@ def main(a: argparse.Namespace) -> int:
     add_ratios(rows)
     res = {
         "rows": rows, "rss": rss,
-        "meta": {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.machine(), "cpus": os.cpu_count(),
+        "meta": {"date": time.strftime("%Y-%m-%d %H:%M"), **machine_meta(),
+                 "target_dtype": numerics.get("dtype", ""), "target_backend": numerics.get("backend", ""),
                  "max_new_tokens": a.max_new_tokens, "requests_per_stream": a.requests_per_stream,
                  "repeats": a.repeats,
                  "command": " ".join(sys.argv)},

@@ -151,3 +151,23 @@ class BatchMetrics:
         self.forwards.labels("yes" if batch_size > 1 else "no").inc()
         self.batch_size.observe(batch_size)
         self.batch_tokens.observe(batch_tokens)
+
+
+def export_calibration(registry: CollectorRegistry, result: object, isa: str) -> None:
+    """The target's start-up calibration as gauges: every measured pair's
+    t(k) (``specdec_target_forward_cost_ms{dtype,backend,tokens}``), its
+    score, and the chosen pair (``specdec_target_numerics_info`` = 1)."""
+    cost = Gauge("specdec_target_forward_cost_ms", "Measured forward-pass time of k tokens at start-up, per (dtype, backend).",
+                 ["dtype", "backend", "tokens"], registry=registry)
+    score = Gauge("specdec_target_calibration_score_tokens_per_second",
+                  "Mean expected throughput under AUTO over the acceptance mix, per calibrated (dtype, backend).",
+                  ["dtype", "backend"], registry=registry)
+    info = Gauge("specdec_target_numerics_info", "The target's chosen numerics (value 1).",
+                 ["dtype", "backend", "chosen_by", "isa"], registry=registry)
+    for key, curve in result.curves.items():  # type: ignore[attr-defined]
+        dtype, backend = key.split("/")
+        for k, ms in curve.items():
+            cost.labels(dtype, backend, str(k)).set(ms)
+        if key in result.scores:  # type: ignore[attr-defined]
+            score.labels(dtype, backend).set(result.scores[key])  # type: ignore[attr-defined]
+    info.labels(result.dtype, result.backend, result.chosen_by, isa).set(1)  # type: ignore[attr-defined]

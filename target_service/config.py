@@ -15,7 +15,13 @@ class TargetServiceConfig:
     model: str = "qwen2.5-coder-1.5b-instruct"  # a model spec (see specdec.models.resolve)
     host: str = "127.0.0.1"
     port: int = 50053  # 0 = pick a free port
-    dtype: str = "bfloat16"  # bfloat16 | float32 | float16
+    # auto = measured at start-up (target_service/calibration.py): on CPU the
+    # (dtype, backend) pair with the best expected throughput under AUTO, on
+    # CUDA bf16 (fp16 where bf16 is unsupported). Explicit values win.
+    dtype: str = "auto"  # auto | bfloat16 | float32 | float16
+    backend: str = "auto"  # auto | eager | packed (oneDNN-prepacked linears, CPU)
+    calibrate: bool = True  # time t(k) at start-up (cached per machine and model)
+    calibration_budget_s: float = 30.0  # per pair; past it each remaining k is timed once
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # torch intra-op threads on CPU; 0 = all cores
     cache_dir: Path | None = None  # model cache; None = specdec.models.default_cache_dir()

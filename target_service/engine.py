@@ -26,6 +26,7 @@ from transformers.cache_utils import DynamicLayer
 
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError
 from specdec.logging_util import log
+from target_service.backends import apply_backend, load_dtype, set_compute_threads
 from specdec.sampling import (
     SamplingConfig,
     VerifyResult,
@@ -55,6 +56,78 @@ def pick_device(spec: str) -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(spec)
+
+
+def set_threads(device: torch.device, threads: int) -> None:
+    if device.type == "cpu":
+        if threads > 0:
+            torch.set_num_threads(threads)
+        set_compute_threads(threads)
+
+
+def load_model(
+    hf_dir: Path, dtype: torch.dtype, backend: str, device: torch.device, name: str | None = None
+) -> torch.nn.Module:
+    """Loads the target in ``dtype`` onto ``device`` and converts it for
+    ``backend`` (target_service.backends)."""
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=load_dtype(dtype, backend))
+    model.to(device)
+    model.eval()
+    load_s = time.perf_counter() - t0
+    with torch.inference_mode():
+        model = apply_backend(model, backend, dtype, device)
+    log(
+        logger,
+        logging.INFO,
+        "target model loaded",
+        model=name or str(hf_dir),
+        dtype=str(dtype).removeprefix("torch."),
+        backend=backend,
+        device=str(device),
+        load_s=round(load_s, 2),
+        convert_s=round(time.perf_counter() - t0 - load_s, 2),
+    )
+    return model
+
+
+def output_vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the LM head (the logits' width), whatever the backend made of it."""
+    head = model.get_output_embeddings()
+    out = getattr(head, "out_features", None)
+    if out is None:
+        out = head.weight.shape[0]
+    return int(out)
+
+
+@torch.inference_mode()
+def measure_forward_curve(
+    model: torch.nn.Module, device: torch.device, ks: Sequence[int], kv_tokens: int, budget_s: float = 30.0
+) -> dict[int, float]:
+    """t(k) in ms: one forward pass of k new tokens behind ``kv_tokens`` of
+    KV cache, as a 1-token step or a (k-1)-token verify runs it (the LM head
+    on the last k rows, the cache cropped back after every pass)."""
+    from target_service.calibration import measure_curve
+
+    vocab = output_vocab_size(model)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (1, kv_tokens), generator=gen).to(device)
+    kwarg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{kwarg: cache})
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def forward(k: int) -> None:
+        ids = torch.randint(0, vocab, (1, k), generator=gen).to(device)
+        model(input_ids=ids, use_cache=True, logits_to_keep=k, **{kwarg: cache})
+        sync()
+
+    def reset() -> None:
+        written = cache.get_seq_length()
+        if written > kv_tokens:
+            cache.crop(kv_tokens - written)
+
+    return measure_curve(forward, reset, ks, budget_s=budget_s)
 
 
 @dataclass
@@ -160,27 +233,22 @@ class TargetEngine:
         max_span: int = 32,
         max_draft_support: int = 4096,
         model_name: str | None = None,
+        backend: str = "eager",
+        model: torch.nn.Module | None = None,
     ) -> None:
+        """``model``: an already loaded and converted model for (dtype,
+        backend) on ``device`` (start-up calibration hands over the one it
+        measured last); None loads it from ``hf_dir``."""
         self.device = pick_device(device)
         self.dtype = parse_dtype(dtype)
-        if self.device.type == "cpu" and threads > 0:
-            torch.set_num_threads(threads)
-        t0 = time.perf_counter()
-        self.model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=self.dtype)
-        self.model.to(self.device)
-        self.model.eval()
-        log(
-            logger,
-            logging.INFO,
-            "target model loaded",
-            model=model_name or str(hf_dir),
-            dtype=dtype,
-            device=str(self.device),
-            load_s=round(time.perf_counter() - t0, 2),
-        )
+        self.backend = backend
+        set_threads(self.device, threads)
+        if model is None:
+            model = load_model(hf_dir, self.dtype, backend, self.device, model_name)
+        self.model = model
         cfg = self.model.config
         self.model_name = model_name or Path(hf_dir).name
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = output_vocab_size(self.model)
         model_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 32_768)
         self.max_context = min(model_ctx, max_context_tokens) if max_context_tokens else model_ctx
         self.max_sessions = max_sessions

@@ -16,12 +16,23 @@ import numpy as np
 from specdec.errors import InvalidArgument, Unavailable
 from specdec.grpc_util import ServerHandle, WorkTiming, drain, start_server, translate_errors
 from specdec.logging_util import log
-from specdec.metrics import BatchMetrics, ModelServiceMetrics, serve_metrics
+from specdec.metrics import BatchMetrics, ModelServiceMetrics, export_calibration, serve_metrics
 from specdec.sampling import SamplingConfig
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.batching import BatchReport, BatchScheduler
 from target_service.config import TargetServiceConfig
-from target_service.engine import PrefillCall, PrefillOutcome, SparseQ, TargetEngine, VerifyCall, VerifyOutcome
+from target_service.backends import cpu_info
+from target_service.calibration import CalibrationResult, calibrate
+from target_service.engine import (
+    PrefillCall,
+    PrefillOutcome,
+    SparseQ,
+    TargetEngine,
+    VerifyCall,
+    VerifyOutcome,
+    pick_device,
+    set_threads,
+)
 
 logger = logging.getLogger("specdec.target")
 
@@ -30,6 +41,10 @@ def _timings(t: WorkTiming) -> common_pb2.Timings:
     return common_pb2.Timings(
         queue_ms=t.queue_ms, compute_ms=t.compute_ms, batch_size=t.batch_size, batch_tokens=t.batch_tokens
     )
+
+
+def _cost_points(curve: dict[int, float]) -> list[common_pb2.CostPoint]:
+    return [common_pb2.CostPoint(tokens=k, ms=ms) for k, ms in sorted(curve.items())]
 
 
 def _sparse_q(msgs: object) -> list[SparseQ | None]:
@@ -50,14 +65,18 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         self.metrics.queue_depth.set_function(lambda: self.worker.pending)  # live at every scrape (HPA input)
         self.batch_metrics = BatchMetrics.create(self.metrics.registry)
         self._engine: TargetEngine | None = None
+        self.calibration: CalibrationResult | None = None
         self.fingerprint = ""
         self._evictions_seen = 0
         self.draining = False  # set on SIGTERM: no new sessions, existing ones are served
 
-    def attach(self, engine: TargetEngine, tokenizer_fingerprint: str) -> None:
+    def attach(self, engine: TargetEngine, tokenizer_fingerprint: str, calibration: CalibrationResult | None = None) -> None:
         self._engine = engine
         self.fingerprint = tokenizer_fingerprint
+        self.calibration = calibration
         self.metrics.active_sessions.set_function(lambda: engine.num_sessions)  # exact at every scrape
+        if calibration is not None:
+            export_calibration(self.metrics.registry, calibration, cpu_info().isa if engine.device.type == "cpu" else str(engine.device))
 
     @property
     def engine(self) -> TargetEngine:
@@ -70,6 +89,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         self, request: common_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ModelInfo:
         e = self.engine
+        cal = self.calibration
         return common_pb2.ModelInfo(
             model_name=e.model_name,
             vocab_size=e.vocab_size,
@@ -78,6 +98,17 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             dtype=str(e.dtype).removeprefix("torch."),
             device=str(e.device),
             tokenizer_fingerprint=self.fingerprint,
+            backend=e.backend,
+            numerics_chosen_by=cal.chosen_by if cal else "",
+            cpu_isa=cpu_info().isa if e.device.type == "cpu" else "",
+            forward_cost=_cost_points(cal.curve if cal else {}),
+            calibrated=[
+                common_pb2.CalibratedPair(
+                    dtype=key.split("/")[0], backend=key.split("/")[1], forward_cost=_cost_points(curve),
+                    score_tokens_per_s=cal.scores.get(key, 0.0),
+                )
+                for key, curve in (cal.curves.items() if cal else ())
+            ],
         )
 
     @translate_errors
@@ -206,17 +237,27 @@ async def _reap(engine: TargetEngine, worker: BatchScheduler, ttl_s: float) -> N
         await worker.run(engine.reap_idle, ttl_s)
 
 
-def load_engine(config: TargetServiceConfig) -> tuple[TargetEngine, str]:
-    """Resolves the model spec and loads the engine (blocking; run off the loop)."""
+def load_engine(config: TargetServiceConfig) -> tuple[TargetEngine, str, CalibrationResult]:
+    """Resolves the model spec, calibrates the numerics (dtype/backend auto)
+    and loads the engine (blocking; run off the loop)."""
     from transformers import AutoTokenizer
 
     from specdec.models import default_cache_dir, resolve
     from specdec.tokenization import tokenizer_fingerprint
 
-    resolved = resolve(config.model, Path(config.cache_dir or default_cache_dir()))
+    cache_dir = Path(config.cache_dir or default_cache_dir())
+    resolved = resolve(config.model, cache_dir)
+    device = pick_device(config.device)
+    set_threads(device, config.threads)
+    calibration, model = calibrate(
+        resolved.hf_dir, config.dtype, config.backend, device, cache_dir / "calibration", resolved.name,
+        measure=config.calibrate, budget_s=config.calibration_budget_s,
+    )
     engine = TargetEngine(
         resolved.hf_dir,
-        dtype=config.dtype,
+        dtype=calibration.dtype,
+        backend=calibration.backend,
+        model=model,
         device=config.device,
         threads=config.threads,
         max_sessions=config.max_sessions,
@@ -228,7 +269,7 @@ def load_engine(config: TargetServiceConfig) -> tuple[TargetEngine, str]:
         model_name=resolved.name,
     )
     fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(resolved.hf_dir)))
-    return engine, fingerprint
+    return engine, fingerprint, calibration
 
 
 def _warmup(engine: TargetEngine) -> None:
@@ -261,17 +302,18 @@ async def start(config: TargetServiceConfig) -> TargetServer:
     )
     log(logger, logging.INFO, "target service listening (loading model)", port=handle.port)
     try:
-        (engine, fingerprint), _ = await worker.run(load_engine, config)
+        (engine, fingerprint, calibration), _ = await worker.run(load_engine, config)
         if config.warmup:
             await worker.run(_warmup, engine)
     except BaseException:
         await handle.stop(0)
         worker.shutdown()
         raise
-    servicer.attach(engine, fingerprint)
+    servicer.attach(engine, fingerprint, calibration)
     worker.attach(engine.run_batch)
     metrics_port = serve_metrics(servicer.metrics.registry, config.metrics_port, config.metrics_host)
     reaper = asyncio.create_task(_reap(engine, worker, config.session_ttl_s))
     await handle.set_serving(True)
-    log(logger, logging.INFO, "target service ready", port=handle.port, model=engine.model_name)
+    log(logger, logging.INFO, "target service ready", port=handle.port, model=engine.model_name,
+        dtype=calibration.dtype, backend=calibration.backend, chosen_by=calibration.chosen_by)
     return TargetServer(handle, engine, worker, reaper, metrics_port, servicer)

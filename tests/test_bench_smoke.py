@@ -33,6 +33,10 @@ def test_bench_writes_json_markdown_and_plots(tiny_models, onnx_cache_dir: Path,
             assert row["speedup"] > 0 and 0 <= row["acceptance_rate"] <= 1
             assert row["leviathan_bound"] > 0
         assert sorted(int(k) for k in res["verify_cost_ms"]) == list(range(1, 9))
+        # every result names its machine and the target's numerics
+        assert res["meta"]["isa"] and res["meta"]["cpu"] and res["meta"]["target_dtype"] == "float32"
+        assert res["meta"]["target_backend"] in ("eager", "packed")
+        assert res["numerics"]["forward_cost_ms"] and res["numerics"]["calibrated"]
         md = (out / "results.md").read_text()
         assert "| code-completion |" in md and "auto" in md and "heuristic" in md
         for png in ("speedup.png", "speedup_vs_gamma.png", "gamma_trajectory_and_acceptance.png", "verify_cost.png"):
@@ -58,3 +62,17 @@ def test_repeats_interleave_configurations_and_keep_the_fastest(monkeypatch) -> 
     assert best[("off", 0, "")]["run"] == 1  # 5.0 beats its second run's 4.0
     assert best[("fixed", 2, "d")]["run"] == 5  # 3.0 beats 1.0
     assert best[("auto", 0, "d")]["run"] == 4  # 9.0 beats 2.0
+
+
+def test_speedup_against_the_fastest_target_only_configuration() -> None:
+    res = {"numerics": {"dtype": "float32", "backend": "packed"},
+           "rows": [{"prompt": "a", "spec_tok_s": 8.0, "baseline_tok_s": 2.5},
+                    {"prompt": "b", "spec_tok_s": 3.0, "baseline_tok_s": 2.5}]}
+    bench.add_fastest_baseline(res, {"bfloat16/eager": {"a": 4.0, "b": 2.0}, "float32/eager": {"a": 2.0, "b": 1.0}})
+    a, b = res["rows"]
+    assert (a["fastest_off"], a["fastest_off_tok_s"], a["speedup_vs_fastest_off"]) == ("bfloat16/eager", 4.0, 2.0)
+    assert (b["fastest_off"], b["speedup_vs_fastest_off"]) == ("float32/packed", 3.0 / 2.5)
+    for r in res["rows"]:
+        r.update(drafter="d", mode="auto", gamma=0)
+    md = "\n".join(bench.fastest_table(res["rows"]))
+    assert "| a | d | auto | adaptive | 8.00 | 2.50 | bfloat16/eager | 4.00 | 2.00× |" in md

@@ -311,3 +311,45 @@ def test_cli_hands_the_confidence_stop_to_the_orchestrator_and_refuses_bad_value
             config(*flags)
     with pytest.raises(SystemExit, match="specdec: --confidence-stop-scale must be in"):
         cmd_up(build_parser().parse_args(["up", "--confidence-stop-scale", "-2"]))
+
+
+# ------------------------------------------------- measured cost priors
+FLAT_CURVE = {1: 381.0, 2: 411.0, 4: 476.0, 8: 553.0, 16: 745.0}  # float32 packed, AVX2 (docs/benchmarks.md)
+STEEP_CURVE = {1: 240.0, 2: 404.0, 4: 807.0, 8: 1434.0, 16: 2676.0}  # bf16 eager, AVX2
+
+
+def test_cost_prior_is_the_measured_curve_until_live_rounds_replace_it() -> None:
+    costs = CostModel()
+    assert costs.verify_ms(3) is None  # cold: no prior, no data
+    costs.set_prior({1: 100.0, 2: 300.0, 4: 310.0, 8: 330.0}, draft_token_ms=12.0)
+    # not a line: a line through any two points misses the others
+    assert costs.verify_ms(1) == pytest.approx(100.0)
+    assert costs.verify_ms(3) == pytest.approx(305.0)
+    assert costs.verify_ms(8) == pytest.approx(330.0)
+    assert costs.draft_ms(4) == pytest.approx(48.0)
+    assert costs.marginal_token_ms(1) == pytest.approx(12.0 + 200.0)
+    assert costs.marginal_token_ms(4) == pytest.approx(12.0 + 5.0)
+    for i in range(40):  # the machine is slower than calibrated at k = 3, as calibrated at k = 1
+        costs.observe(RoundObservation(gamma=2, accepted=1, draft_ms=30.0, draft_compute_ms=30.0,
+                                       verify_ms=500.0, verify_compute_ms=500.0, tokens_in_pass=3))
+        costs.observe(RoundObservation(gamma=0, accepted=0, verify_ms=100.0, verify_compute_ms=100.0, tokens_in_pass=1))
+    assert costs.verify_ms(3) == pytest.approx(500.0, rel=0.05)
+    assert costs.verify_ms(1) == pytest.approx(100.0, rel=0.05)
+    # unobserved k follow the prior's shape, scaled by the live level (not a line through k=1 and k=3)
+    assert 330.0 < costs.verify_ms(8) < 600.0
+    assert costs.draft_ms(4) == pytest.approx(60.0)  # live draft cost replaced the prior
+
+
+@pytest.mark.parametrize("curve, lo, hi", [(FLAT_CURVE, 2, 8), (STEEP_CURVE, 0, 0)])
+def test_first_round_of_a_fresh_server_chooses_gamma_from_the_measured_curve(curve: dict[int, float], lo: int, hi: int) -> None:
+    """No round observed yet: a flat verify curve already speculates, a
+    steep one (verify of k tokens costs k steps) decodes plainly."""
+    factory = PolicyFactory()
+    factory.set_cost_priors(verify_curve=curve, draft_token_ms={"d": 24.0})
+    policy = factory.make("auto", 0, "d")
+    assert lo <= policy.next_gamma() <= hi
+    assert factory.costs["d"].has_prior
+    # a drafter first seen after the priors were set starts from them too
+    other = factory.make("auto", 0, "other")
+    assert factory.costs["other"].verify_ms(1) == pytest.approx(curve[1])
+    assert other.next_gamma() >= 0

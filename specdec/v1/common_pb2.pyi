@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -45,7 +45,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self, drafter: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "max_context_tokens", "dtype", "device", "tokenizer_fingerprint", "drafter")
+    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "max_context_tokens", "dtype", "device", "tokenizer_fingerprint", "drafter", "backend", "numerics_chosen_by", "cpu_isa", "forward_cost", "calibrated")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,11 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_CHOSEN_BY_FIELD_NUMBER: _ClassVar[int]
+    CPU_ISA_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_COST_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATED_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -62,7 +67,32 @@ class ModelInfo(_message.Message):
     device: str
     tokenizer_fingerprint: str
     drafter: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., drafter: _Optional[str] = ...) -> None: ...
+    backend: str
+    numerics_chosen_by: str
+    cpu_isa: str
+    forward_cost: _containers.RepeatedCompositeFieldContainer[CostPoint]
+    calibrated: _containers.RepeatedCompositeFieldContainer[CalibratedPair]
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., drafter: _Optional[str] = ..., backend: _Optional[str] = ..., numerics_chosen_by: _Optional[str] = ..., cpu_isa: _Optional[str] = ..., forward_cost: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., calibrated: _Optional[_Iterable[_Union[CalibratedPair, _Mapping]]] = ...) -> None: ...
+
+class CostPoint(_message.Message):
+    __slots__ = ("tokens", "ms")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    ms: float
+    def __init__(self, tokens: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
+
+class CalibratedPair(_message.Message):
+    __slots__ = ("dtype", "backend", "forward_cost", "score_tokens_per_s")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_COST_FIELD_NUMBER: _ClassVar[int]
+    SCORE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    backend: str
+    forward_cost: _containers.RepeatedCompositeFieldContainer[CostPoint]
+    score_tokens_per_s: float
+    def __init__(self, dtype: _Optional[str] = ..., backend: _Optional[str] = ..., forward_cost: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., score_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -1,0 +1,344 @@
+"""The ``bf16w`` backend's kernel: ``y = x · Wᵀ + b`` with W stored as
+bfloat16 and everything else (x, products, sums, y) in float32, for CPUs
+with AVX2 and FMA but no native BF16 GEMM.
+
+Why: decoding a small batch of tokens is bound by reading the weights. A
+bf16 copy halves the bytes of a float32 one, but on AVX2 CPUs torch's bf16
+GEMM runs a slow reference kernel whose cost grows with every token in the
+pass (a k-token verify costs k steps), and oneDNN refuses bf16 there. This
+kernel widens bf16 to float32 in registers (exact: bf16 is the top half of a
+float32) and accumulates with FMA, so one pass of k ≤ 16 tokens costs about
+one weight read.
+
+Numerics: each output y[m, n] is the same sequence of float32 operations
+whatever the number of rows M, the batch, or the thread that computes it
+(8-lane FMA over K, a fixed horizontal sum, a scalar tail, then the bias), so
+a 1-token step, a k-token verify and a batched verify agree bit for bit on
+the linear layers. The model's numerics are "bfloat16 weights, float32
+activations": the weights are rounded to bf16 once at load time, as the bf16
+eager path rounds them, while activations keep float32.
+
+The C source below is compiled once per machine with the system C compiler
+(``cc``/``gcc``, ``-O3 -mavx2 -mfma``) into a cache directory and loaded with
+ctypes; ctypes releases the GIL during the call, so the rows of the output
+are split across threads of a small pool. No compiler or no AVX2/FMA: the
+backend is not eligible (``available()`` says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+C_SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline float hsum256(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v);
+    __m128 hi = _mm256_extractf128_ps(v, 1);
+    __m128 s = _mm_add_ps(lo, hi);
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 load_bf16x8(const uint16_t* p) {
+    __m128i h = _mm_loadu_si128((const __m128i*)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = ((uint32_t)h) << 16;
+    return v.f;
+}
+
+/* y[m*N + n] = sum_k x[m*K + k] * w[n*K + k] (+ bias[n]) for m in [0, M), n in [n0, n1).
+   One output is always computed by the same instruction sequence: 8-lane
+   FMA over the first K8 = K - K % 8 columns, hsum256, then the scalar tail,
+   then the bias. Rows of W are widened into a float32 scratch four at a time
+   and reused by every row of x. */
+int specdec_bf16w_linear(const float* x, int64_t M, int64_t K, const uint16_t* w, const float* bias,
+                         float* y, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t K8 = K - (K % 8);
+    if (M == 1) {
+        /* one row of x: widen W in registers (no scratch). Same operations,
+           in the same order, as the blocked path below, so the same bits. */
+        for (int64_t n = n0; n < n1; n += 4) {
+            const int64_t nb = (n1 - n) < 4 ? (n1 - n) : 4;
+            const uint16_t* r0 = w + n * K;
+            const uint16_t* r1 = w + (n + (nb > 1 ? 1 : 0)) * K;
+            const uint16_t* r2 = w + (n + (nb > 2 ? 2 : 0)) * K;
+            const uint16_t* r3 = w + (n + (nb > 3 ? 3 : 0)) * K;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+            for (int64_t k = 0; k < K8; k += 8) {
+                const __m256 va = _mm256_loadu_ps(x + k);
+                a0 = _mm256_fmadd_ps(load_bf16x8(r0 + k), va, a0);
+                a1 = _mm256_fmadd_ps(load_bf16x8(r1 + k), va, a1);
+                a2 = _mm256_fmadd_ps(load_bf16x8(r2 + k), va, a2);
+                a3 = _mm256_fmadd_ps(load_bf16x8(r3 + k), va, a3);
+            }
+            float ra[4] = {hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)};
+            for (int64_t k = K8; k < K; k++) {
+                ra[0] += bf16_to_f32(r0[k]) * x[k]; ra[1] += bf16_to_f32(r1[k]) * x[k];
+                ra[2] += bf16_to_f32(r2[k]) * x[k]; ra[3] += bf16_to_f32(r3[k]) * x[k];
+            }
+            for (int64_t j = 0; j < nb; j++) y[n + j] = ra[j] + (bias ? bias[n + j] : 0.0f);
+        }
+        return 0;
+    }
+    if (M == 2) {
+        /* two rows of x (a 1-token verify): in-register widening, as above */
+        const float* xa = x;
+        const float* xb = x + K;
+        for (int64_t n = n0; n < n1; n += 4) {
+            const int64_t nb = (n1 - n) < 4 ? (n1 - n) : 4;
+            const uint16_t* r0 = w + n * K;
+            const uint16_t* r1 = w + (n + (nb > 1 ? 1 : 0)) * K;
+            const uint16_t* r2 = w + (n + (nb > 2 ? 2 : 0)) * K;
+            const uint16_t* r3 = w + (n + (nb > 3 ? 3 : 0)) * K;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+            __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+            for (int64_t k = 0; k < K8; k += 8) {
+                const __m256 va = _mm256_loadu_ps(xa + k);
+                const __m256 vb = _mm256_loadu_ps(xb + k);
+                __m256 v = load_bf16x8(r0 + k);
+                a0 = _mm256_fmadd_ps(v, va, a0); b0 = _mm256_fmadd_ps(v, vb, b0);
+                v = load_bf16x8(r1 + k);
+                a1 = _mm256_fmadd_ps(v, va, a1); b1 = _mm256_fmadd_ps(v, vb, b1);
+                v = load_bf16x8(r2 + k);
+                a2 = _mm256_fmadd_ps(v, va, a2); b2 = _mm256_fmadd_ps(v, vb, b2);
+                v = load_bf16x8(r3 + k);
+                a3 = _mm256_fmadd_ps(v, va, a3); b3 = _mm256_fmadd_ps(v, vb, b3);
+            }
+            float ra[4] = {hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)};
+            float rb[4] = {hsum256(b0), hsum256(b1), hsum256(b2), hsum256(b3)};
+            for (int64_t k = K8; k < K; k++) {
+                const float w0 = bf16_to_f32(r0[k]), w1 = bf16_to_f32(r1[k]), w2 = bf16_to_f32(r2[k]), w3 = bf16_to_f32(r3[k]);
+                ra[0] += w0 * xa[k]; ra[1] += w1 * xa[k]; ra[2] += w2 * xa[k]; ra[3] += w3 * xa[k];
+                rb[0] += w0 * xb[k]; rb[1] += w1 * xb[k]; rb[2] += w2 * xb[k]; rb[3] += w3 * xb[k];
+            }
+            for (int64_t j = 0; j < nb; j++) {
+                const float bj = bias ? bias[n + j] : 0.0f;
+                y[n + j] = ra[j] + bj;
+                y[N + n + j] = rb[j] + bj;
+            }
+        }
+        return 0;
+    }
+    float* wf = (float*)aligned_alloc(32, sizeof(float) * 4 * ((K + 7) / 8) * 8);
+    if (!wf) return -1;
+    for (int64_t n = n0; n < n1; n += 4) {
+        const int64_t nb = (n1 - n) < 4 ? (n1 - n) : 4;
+        for (int64_t j = 0; j < 4; j++) {
+            const uint16_t* src = w + (n + (j < nb ? j : 0)) * K;
+            float* dst = wf + j * K;
+            int64_t k = 0;
+            for (; k < K8; k += 8) _mm256_storeu_ps(dst + k, load_bf16x8(src + k));
+            for (; k < K; k++) dst[k] = bf16_to_f32(src[k]);
+        }
+        const float* w0 = wf;
+        const float* w1 = wf + K;
+        const float* w2 = wf + 2 * K;
+        const float* w3 = wf + 3 * K;
+        for (int64_t m = 0; m < M; m += 2) {
+            const int64_t mb = (M - m) < 2 ? (M - m) : 2;
+            const float* xa = x + m * K;
+            const float* xb = x + (m + (mb > 1 ? 1 : 0)) * K;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+            __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+            /* while the first pair of rows computes, fetch the next block's
+               weights, so reading W overlaps the arithmetic */
+            const int prefetch = (m == 0) && (n + 4 < n1);
+            for (int64_t k = 0; k < K8; k += 8) {
+                if (prefetch && (k & 31) == 0) {
+                    const uint16_t* nx = w + (n + 4) * K + k;
+                    _mm_prefetch((const char*)nx, _MM_HINT_T0);
+                    _mm_prefetch((const char*)(nx + K), _MM_HINT_T0);
+                    _mm_prefetch((const char*)(nx + 2 * K), _MM_HINT_T0);
+                    _mm_prefetch((const char*)(nx + 3 * K), _MM_HINT_T0);
+                }
+                const __m256 va = _mm256_loadu_ps(xa + k);
+                const __m256 vb = _mm256_loadu_ps(xb + k);
+                const __m256 v0 = _mm256_loadu_ps(w0 + k);
+                const __m256 v1 = _mm256_loadu_ps(w1 + k);
+                const __m256 v2 = _mm256_loadu_ps(w2 + k);
+                const __m256 v3 = _mm256_loadu_ps(w3 + k);
+                a0 = _mm256_fmadd_ps(v0, va, a0); b0 = _mm256_fmadd_ps(v0, vb, b0);
+                a1 = _mm256_fmadd_ps(v1, va, a1); b1 = _mm256_fmadd_ps(v1, vb, b1);
+                a2 = _mm256_fmadd_ps(v2, va, a2); b2 = _mm256_fmadd_ps(v2, vb, b2);
+                a3 = _mm256_fmadd_ps(v3, va, a3); b3 = _mm256_fmadd_ps(v3, vb, b3);
+            }
+            float ra[4] = {hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)};
+            float rb[4] = {hsum256(b0), hsum256(b1), hsum256(b2), hsum256(b3)};
+            for (int64_t k = K8; k < K; k++) {
+                ra[0] += w0[k] * xa[k]; ra[1] += w1[k] * xa[k]; ra[2] += w2[k] * xa[k]; ra[3] += w3[k] * xa[k];
+                rb[0] += w0[k] * xb[k]; rb[1] += w1[k] * xb[k]; rb[2] += w2[k] * xb[k]; rb[3] += w3[k] * xb[k];
+            }
+            for (int64_t j = 0; j < nb; j++) {
+                const float bj = bias ? bias[n + j] : 0.0f;
+                y[m * N + n + j] = ra[j] + bj;
+                if (mb > 1) y[(m + 1) * N + n + j] = rb[j] + bj;
+            }
+        }
+    }
+    free(wf);
+    return 0;
+}
+"""
+
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off"]
+_ROW_ALIGN = 4  # rows of W per block: thread ranges start on a block boundary
+_lock = threading.Lock()
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC", ""), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _cpu_ok() -> str:
+    from target_service.backends import cpu_info
+
+    flags = set(cpu_info().flags)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags |= set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        return "cannot read /proc/cpuinfo"
+    missing = [f for f in ("avx2", "fma") if f not in flags]
+    return f"the CPU lacks {', '.join(missing)}" if missing else ""
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """(the compiled kernel, "") or (None, why not)."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"x86-64 only (this is {platform.machine()})"
+    why = _cpu_ok()
+    if why:
+        return None, why
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (cc, gcc or clang) on PATH"
+    digest = hashlib.sha256((C_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
+    root = Path(tempfile.gettempdir()) / f"specdec-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    lib = root / f"bf16w-{digest}.so"
+    with _lock:
+        if not lib.exists():
+            root.mkdir(parents=True, exist_ok=True)
+            src = root / f"bf16w-{digest}.{os.getpid()}.c"
+            tmp = root / f"bf16w-{digest}.{os.getpid()}.so"
+            src.write_text(C_SOURCE)
+            try:
+                subprocess.run([cc, *_FLAGS, "-o", str(tmp), str(src)], check=True, capture_output=True, timeout=120)
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
+                err = getattr(e, "stderr", b"") or b""
+                return None, f"compiling the kernel failed: {e} {err.decode(errors='replace')[:400]}"
+            finally:
+                src.unlink(missing_ok=True)
+            os.replace(tmp, lib)
+        dll = ctypes.CDLL(str(lib))
+    fn = dll.specdec_bf16w_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    return dll, ""
+
+
+def available() -> tuple[bool, str]:
+    """Whether the kernel runs here, and if not, why."""
+    lib, why = _library()
+    return lib is not None, why
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_threads = 0  # threads the kernel splits its rows over (0 = torch.get_num_threads())
+
+
+def set_threads(threads: int) -> None:
+    global _threads
+    _threads = max(0, int(threads))
+
+
+def _executor(threads: int) -> ThreadPoolExecutor:
+    global _pool, _pool_size
+    with _lock:
+        if _pool is None or _pool_size != threads:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(max_workers=max(1, threads - 1), thread_name_prefix="specdec-bf16w")
+            _pool_size = threads
+        return _pool
+
+
+def linear(x: torch.Tensor, weight_bf16: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] float32 · weight [N, K] bfloat16ᵀ + bias [N] float32 → [..., N] float32."""
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"the bf16w kernel is not available: {why}")
+    n, k = weight_bf16.shape
+    x2 = x.reshape(-1, k)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    fn = lib.specdec_bf16w_linear
+    xp, wp, yp = x2.data_ptr(), weight_bf16.data_ptr(), y.data_ptr()
+    bp = bias.data_ptr() if bias is not None else None
+    threads = max(1, _threads or torch.get_num_threads())
+    blocks = (n + _ROW_ALIGN - 1) // _ROW_ALIGN
+    parts = min(threads, blocks)
+    if parts <= 1:
+        if fn(xp, m, k, wp, bp, yp, n, 0, n) != 0:
+            raise MemoryError("bf16w kernel: scratch allocation failed")
+    else:
+        per = (blocks + parts - 1) // parts
+        ranges = [(i * per * _ROW_ALIGN, min(n, (i + 1) * per * _ROW_ALIGN)) for i in range(parts)]
+        ranges = [r for r in ranges if r[0] < r[1]]
+        pool = _executor(threads)
+        futs = [pool.submit(fn, xp, m, k, wp, bp, yp, n, lo, hi) for lo, hi in ranges[1:]]
+        rc = [fn(xp, m, k, wp, bp, yp, n, *ranges[0])] + [f.result() for f in futs]
+        if any(rc):
+            raise MemoryError("bf16w kernel: scratch allocation failed")
+    return y.reshape(*x.shape[:-1], n)
+
+
+class Bf16WeightLinear(torch.nn.Module):
+    """An ``nn.Linear`` whose weight is stored as bfloat16 and applied with
+    the float32-accumulating kernel (see the module docstring)."""
+
+    def __init__(self, lin: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        w = lin.weight.detach().to(torch.bfloat16).contiguous()
+        self.register_buffer("weight", w, persistent=False)
+        b = lin.bias
+        self.register_buffer("bias", None if b is None else b.detach().float().contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, weights=bf16, accumulate=fp32"

@@ -1,0 +1,367 @@
+"""Start-up calibration of the target: measure the forward cost t(k) of each
+eligible (dtype, backend) pair on this machine and keep the pair that serves
+speculative decoding fastest. Plain Python, no gRPC.
+
+The choice rule (docs/architecture.md, "Choosing the target's numerics"):
+for each pair and each acceptance level α of ``ACCEPTANCE_MIX``, the best
+expected throughput the adaptive policy could reach,
+
+    R(α) = max over γ in 0..γ_max of  E_α(γ) / (t(γ + 1) + γ · d),
+
+with E_α(γ) = (1 − α^(γ+1)) / (1 − α) committed tokens per round, t the
+pair's measured curve (t(1) is plain decoding, γ = 0), and d the draft's cost
+per token, taken as ``DRAFT_RATIO`` × the fastest t(1) of all pairs (the
+draft does not depend on the target's numerics). A pair's score is the mean
+of R(α) over the mix: the throughput a stream of requests with those
+acceptance levels sees on average. Low levels are in the mix on purpose: a
+pair whose single step is slow pays for it on every request the policy
+decides not to speculate on.
+
+``pick_pair`` is pure; ``measure_curve`` times a model; ``CalibrationCache``
+keeps results per machine and model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+from specdec.logging_util import log
+
+logger = logging.getLogger("specdec.target")
+
+CALIBRATION_KS = (1, 2, 4, 8, 16)
+CALIBRATION_KV = 128  # tokens of KV cache behind the measured pass (a short prompt)
+ACCEPTANCE_MIX = (0.1, 0.3, 0.5, 0.7, 0.8, 0.9)
+DRAFT_RATIO = 0.1  # draft cost per token / the fastest target step
+GAMMA_MAX = 8
+CACHE_VERSION = 1
+
+Curve = dict[int, float]  # k -> ms for one forward pass of k new tokens
+Pair = tuple[str, str]  # (dtype, backend)
+
+
+def interpolate(curve: Mapping[int, float], k: float) -> float:
+    """t(k) from a measured curve: piecewise linear between measured k,
+    extrapolated with the last segment's slope past the largest k and flat
+    below the smallest."""
+    ks = sorted(curve)
+    if not ks:
+        raise ValueError("empty cost curve")
+    if k <= ks[0]:
+        return float(curve[ks[0]])
+    for lo, hi in zip(ks, ks[1:]):
+        if k <= hi:
+            return float(curve[lo] + (curve[hi] - curve[lo]) * (k - lo) / (hi - lo))
+    if len(ks) == 1:
+        return float(curve[ks[0]])
+    lo, hi = ks[-2], ks[-1]
+    slope = max(0.0, (curve[hi] - curve[lo]) / (hi - lo))
+    return float(curve[hi] + slope * (k - hi))
+
+
+def expected_committed(alpha: float, gamma: int) -> float:
+    """E_α(γ): tokens committed per round with i.i.d. acceptance α."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def best_rate(curve: Mapping[int, float], alpha: float, draft_ms: float, gamma_max: int = GAMMA_MAX) -> tuple[float, int]:
+    """(tokens per second, γ) of the best round shape at acceptance ``alpha``."""
+    best, best_g = 0.0, 0
+    for g in range(gamma_max + 1):
+        rate = 1000.0 * expected_committed(alpha, g) / (interpolate(curve, g + 1) + g * draft_ms)
+        if rate > best:
+            best, best_g = rate, g
+    return best, best_g
+
+
+@dataclass(frozen=True)
+class Choice:
+    pair: Pair
+    scores: dict[Pair, float]  # mean tokens/s over the acceptance mix
+    draft_ms: float
+
+
+def pick_pair(
+    curves: Mapping[Pair, Mapping[int, float]],
+    mix: Sequence[float] = ACCEPTANCE_MIX,
+    draft_ratio: float = DRAFT_RATIO,
+    gamma_max: int = GAMMA_MAX,
+) -> Choice:
+    """The pair with the highest mean expected throughput over ``mix``
+    (ties: the earlier pair in ``curves``)."""
+    if not curves:
+        raise ValueError("no calibrated pairs to choose from")
+    draft_ms = draft_ratio * min(interpolate(c, 1) for c in curves.values())
+    scores = {
+        pair: statistics.fmean(best_rate(c, a, draft_ms, gamma_max)[0] for a in mix) for pair, c in curves.items()
+    }
+    best = max(curves, key=lambda p: scores[p])
+    return Choice(best, scores, draft_ms)
+
+
+def measure_curve(
+    forward: Callable[[int], None],
+    reset: Callable[[], None],
+    ks: Sequence[int] = CALIBRATION_KS,
+    reps: int = 3,
+    budget_s: float = 30.0,
+) -> Curve:
+    """Median wall time (ms) of ``forward(k)`` for each k, ``reset()`` after
+    every pass (untimed). One untimed pass first per k (kernels, allocator).
+    Past ``budget_s`` each remaining k gets a single timed pass."""
+    out: Curve = {}
+    t_start = time.perf_counter()
+    for k in ks:
+        forward(k)
+        reset()
+        n = reps if time.perf_counter() - t_start < budget_s else 1
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            forward(k)
+            times.append((time.perf_counter() - t0) * 1000.0)
+            reset()
+        out[k] = round(statistics.median(times), 3)
+    return out
+
+
+@dataclass
+class CalibrationResult:
+    """What the target reports and logs: every measured pair's curve and the
+    choice among them."""
+
+    dtype: str
+    backend: str
+    curves: dict[str, Curve] = field(default_factory=dict)  # "dtype/backend" -> curve
+    scores: dict[str, float] = field(default_factory=dict)  # "dtype/backend" -> mean tokens/s
+    draft_ms: float = 0.0
+    chosen_by: str = "calibration"  # calibration | flags | device
+    cached: bool = False
+    seconds: float = 0.0
+
+    @property
+    def curve(self) -> Curve:
+        return self.curves.get(pair_key((self.dtype, self.backend)), {})
+
+    def table(self) -> str:
+        """The curves as text lines (logs, docs)."""
+        ks = sorted({k for c in self.curves.values() for k in c})
+        lines = ["pair              " + " ".join(f"k={k:<6}" for k in ks) + "  score tok/s"]
+        for key, c in self.curves.items():
+            mark = "*" if key == pair_key((self.dtype, self.backend)) else " "
+            cells = " ".join(f"{c.get(k, float('nan')):<8.1f}" for k in ks)
+            lines.append(f"{mark}{key:<17}{cells}  {self.scores.get(key, 0.0):.2f}")
+        return "\n".join(lines)
+
+
+def pair_key(pair: Pair) -> str:
+    return f"{pair[0]}/{pair[1]}"
+
+
+def choose(
+    pairs: Sequence[Pair],
+    measure: Callable[[Pair], Curve],
+    cache: "CalibrationCache | None" = None,
+) -> CalibrationResult:
+    """Measures every pair (or takes them from ``cache``) and picks one."""
+    t0 = time.perf_counter()
+    curves: dict[Pair, Curve] = {}
+    cached_all = True
+    for pair in pairs:
+        curve = cache.get(pair) if cache is not None else None
+        if curve is None:
+            cached_all = False
+            log(logger, logging.INFO, "calibrating target", dtype=pair[0], backend=pair[1])
+            curve = measure(pair)
+            if cache is not None:
+                cache.put(pair, curve)
+        curves[pair] = curve
+    if len(pairs) == 1:
+        dtype, backend = pairs[0]
+        choice = pick_pair(curves)
+    else:
+        choice = pick_pair(curves)
+        dtype, backend = choice.pair
+    return CalibrationResult(
+        dtype=dtype,
+        backend=backend,
+        curves={pair_key(p): c for p, c in curves.items()},
+        scores={pair_key(p): round(s, 3) for p, s in choice.scores.items()},
+        draft_ms=round(choice.draft_ms, 3),
+        cached=cached_all,
+        seconds=round(time.perf_counter() - t0, 2),
+    )
+
+
+class CalibrationCache:
+    """Measured curves in one JSON file per (machine, model, threads, torch):
+    a machine whose CPU, thread count or torch changes measures again."""
+
+    def __init__(self, root: Path, identity: Mapping[str, object]) -> None:
+        self.identity = {"version": CACHE_VERSION, **identity}
+        digest = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:16]
+        self.path = Path(root) / f"{digest}.json"
+        self._data: dict[str, Curve] | None = None
+
+    def _load(self) -> dict[str, Curve]:
+        if self._data is None:
+            self._data = {}
+            try:
+                raw = json.loads(self.path.read_text())
+                if raw.get("identity") == json.loads(json.dumps(self.identity)):
+                    self._data = {key: {int(k): float(v) for k, v in c.items()} for key, c in raw["curves"].items()}
+            except (OSError, ValueError, KeyError, AttributeError, TypeError):
+                pass
+        return self._data
+
+    def get(self, pair: Pair) -> Curve | None:
+        return self._load().get(pair_key(pair))
+
+    def put(self, pair: Pair, curve: Curve) -> None:
+        data = self._load()
+        data[pair_key(pair)] = dict(curve)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"identity": self.identity, "curves": data}, indent=1, sort_keys=True))
+            os.replace(tmp, self.path)
+        except OSError as e:  # a read-only cache only costs a re-measure next start
+            log(logger, logging.WARNING, "could not write the calibration cache", path=str(self.path), error=repr(e))
+
+
+def result_dict(result: CalibrationResult) -> dict[str, object]:
+    return asdict(result)
+
+
+# ------------------------------------------------------------- start-up
+def resolve_pairs(dtype: str, backend: str, device: "torch.device") -> tuple[list[Pair], str]:
+    """The (dtype, backend) pairs to calibrate for the flags given, and how
+    the pair is chosen: ``flags`` when both are explicit (explicit values
+    always win), else ``calibration`` among the eligible pairs that agree
+    with whichever flag is explicit. ValueError for a pair this device
+    cannot run."""
+    from target_service.backends import BACKENDS, DTYPES, eligible_pairs, packed_supported
+
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"unknown target dtype {dtype!r}; choose auto or one of {', '.join(DTYPES)}")
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"unknown target backend {backend!r}; choose auto or one of {', '.join(BACKENDS)}")
+    if dtype != "auto" and backend != "auto":
+        if backend == "bf16w":
+            import torch
+
+            from target_service.backends import bf16w_supported
+
+            if not bf16w_supported(getattr(torch, dtype), device):
+                from target_service import bf16w
+
+                why = bf16w.available()[1] or f"it runs bfloat16 weights on a CPU, not {dtype} on {device}"
+                raise ValueError(f"--target-backend bf16w cannot run {dtype} on {device}: {why}")
+        if backend == "packed":
+            import torch
+
+            if not packed_supported(getattr(torch, dtype), device):
+                from target_service.backends import cpu_info
+
+                where = "a CPU" if device.type != "cpu" else f"this CPU ({cpu_info().isa})"
+                raise ValueError(
+                    f"--target-backend packed cannot run {dtype} on {device}: it needs {where} with a native "
+                    f"oneDNN {dtype} GEMM; use float32 or --target-backend eager"
+                )
+        return [(dtype, backend)], "flags"
+    pairs = [p for p in eligible_pairs(device) if dtype in ("auto", p[0]) and backend in ("auto", p[1])]
+    if not pairs:  # e.g. float16 on a CPU: only eager runs it
+        if backend == "packed":
+            raise ValueError(f"--target-backend packed has no eligible dtype on {device}")
+        pairs = [(dtype if dtype != "auto" else "float32", "eager")]
+    return pairs, ("calibration" if len(pairs) > 1 else ("device" if dtype == backend == "auto" else "flags"))
+
+
+def machine_identity(device: "torch.device") -> dict[str, object]:
+    """What makes a measured curve valid: CPU (or GPU), ISA limits in force,
+    threads and torch."""
+    import torch
+
+    from target_service.backends import compute_threads, cpu_info
+
+    info = cpu_info()
+    ident: dict[str, object] = {
+        "cpu": info.model,
+        "isa": info.isa,
+        "mkldnn_bf16": info.mkldnn_bf16,
+        "threads": compute_threads(),
+        "torch": torch.__version__,
+        "device": str(device),
+        # runtime ISA caps (the AVX2 emulation of docs/benchmarks.md)
+        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+        "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
+    }
+    if device.type == "cuda":
+        ident["gpu"] = torch.cuda.get_device_name(device)
+    return ident
+
+
+def calibrate(
+    hf_dir: Path,
+    dtype: str,
+    backend: str,
+    device: "torch.device",
+    cache_root: Path | None,
+    model_name: str,
+    measure: bool = True,
+    budget_s: float = 30.0,
+) -> tuple[CalibrationResult, "torch.nn.Module | None"]:
+    """Runs start-up calibration. Returns the result and, when it could be
+    kept, the chosen pair's loaded model (None: load it). With
+    ``measure=False`` and an explicit pair, nothing is timed and the result
+    has no curve."""
+    import gc
+
+    from target_service.engine import load_model, measure_forward_curve, parse_dtype
+
+    pairs, how = resolve_pairs(dtype, backend, device)
+    if not measure:
+        if len(pairs) > 1:
+            pairs = pairs[:1]  # no measurement: the first eligible pair (bf16 eager on CPU)
+            how = "default"
+        return CalibrationResult(pairs[0][0], pairs[0][1], chosen_by=how), None
+    cache = None
+    if cache_root is not None:
+        cache = CalibrationCache(
+            cache_root,
+            {**machine_identity(device), "model": model_name, "hf_dir": str(hf_dir),
+             "ks": list(CALIBRATION_KS), "kv": CALIBRATION_KV},
+        )
+    kept: dict[str, object] = {}
+
+    def measure_pair(pair: Pair) -> Curve:
+        kept.clear()
+        gc.collect()
+        model = load_model(hf_dir, parse_dtype(pair[0]), pair[1], device, model_name)
+        curve = measure_forward_curve(model, device, CALIBRATION_KS, CALIBRATION_KV, budget_s)
+        log(logger, logging.INFO, "calibrated target", dtype=pair[0], backend=pair[1],
+            **{f"k{k}_ms": round(v, 1) for k, v in curve.items()})
+        kept["pair"], kept["model"] = pair, model
+        return curve
+
+    result = choose(pairs, measure_pair, cache)
+    result.chosen_by = how
+    model = kept.get("model") if kept.get("pair") == (result.dtype, result.backend) else None
+    kept.clear()
+    log(logger, logging.INFO, "target numerics chosen", dtype=result.dtype, backend=result.backend,
+        chosen_by=how, cached=result.cached, calibration_s=result.seconds, draft_ms=result.draft_ms,
+        scores=result.scores, table="\n" + result.table())
+    return result, model  # type: ignore[return-value]
