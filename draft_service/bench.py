@@ -2,6 +2,7 @@
 with one ``OnnxDrafter`` on an exported model.
 
     python -m draft_service.bench <onnx_dir> [--threads 2] [--tokens 128] [--gamma 8]
+    python -m draft_service.bench --prompt-lookup [--context 2000]
 
 Prints one JSON line: prefill ms, draft tok/s (every drafted token accepted,
 so the cache only grows), and the drafted ids (to compare precisions).
@@ -63,14 +64,39 @@ def bench(
     }
 
 
+def bench_prompt_lookup(context: int = 2000, calls: int = 500, vocab: int = 500) -> dict[str, object]:
+    """Per-call latency of the prompt-lookup drafter: a ``context``-token
+    sequence, one new committed token per call, γ = 8 (µs per call)."""
+    from draft_service.prompt_lookup import PromptLookupDrafter
+
+    rng = np.random.default_rng(1)
+    seq = [int(x) for x in rng.integers(0, vocab, context + calls)]
+    d = PromptLookupDrafter("pl", vocab)
+    state = d.new_state()
+    cfg, r = SamplingConfig(), np.random.default_rng(0)
+    d.propose(state, seq[:context], 8, cfg, r)
+    t0 = time.perf_counter()
+    for n in range(context, context + calls):
+        d.propose(state, seq[: n + 1], 8, cfg, r)
+    return {"drafter": "prompt-lookup", "context_tokens": context, "calls": calls,
+            "us_per_call": round((time.perf_counter() - t0) / calls * 1e6, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("onnx_dir")
+    ap.add_argument("onnx_dir", nargs="?")
+    ap.add_argument("--prompt-lookup", action="store_true", help="time the prompt-lookup drafter instead")
+    ap.add_argument("--context", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--gamma", type=int, default=8)
     ap.add_argument("--kv-mode", default="auto")
     a = ap.parse_args()
+    if a.prompt_lookup:
+        print(json.dumps(bench_prompt_lookup(a.context)))
+        return
+    if not a.onnx_dir:
+        ap.error("onnx_dir is required (or --prompt-lookup)")
     print(json.dumps(bench(a.onnx_dir, threads=a.threads, tokens=a.tokens, gamma=a.gamma, kv_mode=a.kv_mode)))
 
 

@@ -1,7 +1,7 @@
 """Drafters: domain logic that proposes spans of tokens with the exact sparse
 distribution q each was sampled from. No gRPC here.
 
-Exactness rests on one invariant (design.md, rule 2): the q returned for a
+Exactness rests on one invariant (docs/design.md, rule 2): the q returned for a
 position is the very distribution its token was drawn from, built by
 :func:`specdec.sampling.draft_distribution` and sampled by
 :func:`specdec.sampling.sample_sparse`. Greedy drafting returns one-hot q.

@@ -5,7 +5,7 @@ longest first) are looked up among earlier positions of the committed
 sequence (prompt + generated text); at the most recent earlier occurrence,
 the tokens that followed it are proposed (up to γ). Each proposed token has a
 one-hot q (``ids=[x], probs=[1.0]``), which the target's verifier treats as
-design.md rule 3: accept with probability p(x), otherwise sample from p with
+docs/design.md rule 3: accept with probability p(x), otherwise sample from p with
 x removed. Confidence of a hit is 1.0. No match: no tokens (the round is a
 plain target step).
 
@@ -153,7 +153,7 @@ class AutoDrafter:
     tokens long and the score is at least ``threshold``; otherwise the model
     drafter. The choice uses only information from before the round's
     verification, and each round's q is the q its drafter sampled, so the
-    output distribution is unchanged (design.md rules 2, 3, 5).
+    output distribution is unchanged (docs/design.md rules 2, 3, 5).
     """
 
     inline = False  # the model drafter runs on the worker thread

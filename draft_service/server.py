@@ -108,6 +108,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             device=d.device,
             tokenizer_fingerprint=d.tokenizer_fingerprint,
             forward_cost=[common_pb2.CostPoint(tokens=1, ms=d.token_ms)] if d.token_ms > 0 else [],
+            drafters=[self.config.default_name] + sorted(n for n in self._drafters if n != self.config.default_name),
         )
 
     @translate_errors
@@ -118,7 +119,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         d = self._get(request.drafter)
         if self.draining:
             raise Unavailable("the draft replica is shutting down; create the session on another replica")
-        session = self.sessions.create(d.drafter, cfg)
+        session = self.sessions.create(d.drafter, cfg, int(request.rng_offset))
         return draft_pb2.CreateDraftSessionResponse(session_id=session.id, drafter=d.drafter.name)
 
     @translate_errors

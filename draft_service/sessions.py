@@ -70,14 +70,23 @@ class SessionStore:
         with self._lock:
             return list(self._sessions)
 
-    def create(self, drafter: Drafter, cfg: SamplingConfig) -> DraftSession:
+    def create(self, drafter: Drafter, cfg: SamplingConfig, rng_offset: int = 0) -> DraftSession:
+        """A new session. Seeded: stream ``rng_offset`` of the seed (0 = the
+        seed's own stream; others are independent streams of the same seed,
+        so a recreated session is reproducible but never replays the draws
+        of the one it replaces, docs/design.md rule 6)."""
         now = self._clock()
         with self._lock:
             if len(self._sessions) >= self.max_sessions:
                 self._reap_locked(now)
             if len(self._sessions) >= self.max_sessions:
                 raise ResourceExhausted(f"draft service is at its session limit ({self.max_sessions})")
-            rng = np.random.default_rng(cfg.seed) if cfg.seed is not None else np.random.default_rng()
+            if cfg.seed is None:
+                rng = np.random.default_rng()
+            elif rng_offset:
+                rng = np.random.default_rng([int(cfg.seed), int(rng_offset)])
+            else:
+                rng = np.random.default_rng(cfg.seed)
             sid = uuid.uuid4().hex
             session = DraftSession(
                 id=sid, drafter=drafter, state=drafter.new_state(), cfg=cfg, rng=rng, created=now, last_used=now

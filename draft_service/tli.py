@@ -1,7 +1,7 @@
 """Different-tokenizer drafting by token-level intersection (TLI).
 
 A draft model with its own tokenizer proposes tokens for a target with
-another tokenizer (design.md, "Different tokenizers"):
+another tokenizer (docs/design.md, "Different tokenizers"):
 
 1. *Context.* The draft's context is the target's committed text: the
    committed target ids are turned into bytes with the target's id -> bytes

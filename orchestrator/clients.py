@@ -40,8 +40,8 @@ class _GrpcClient:
         except grpc.RpcError as e:
             raise from_rpc_error(e, self.service) from None
 
-    async def info(self, timeout: float | None = None) -> common_pb2.ModelInfo:
-        return await self._rpc("GetModelInfo", common_pb2.ModelInfoRequest(), timeout)
+    async def info(self, timeout: float | None = None, drafter: str = "") -> common_pb2.ModelInfo:
+        return await self._rpc("GetModelInfo", common_pb2.ModelInfoRequest(drafter=drafter), timeout)
 
     async def release(self, session_id: str, timeout: float | None) -> None:
         await self._rpc("Release", common_pb2.ReleaseRequest(session_id=session_id), timeout)
@@ -105,8 +105,8 @@ class GrpcDraftClient(_GrpcClient):
     def __init__(self, channel: grpc.aio.Channel) -> None:
         super().__init__(draft_pb2_grpc.DraftStub(channel))
 
-    async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None) -> str:
-        req = draft_pb2.CreateDraftSessionRequest(sampling=sampling_proto(cfg), drafter=drafter)
+    async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None, rng_offset: int = 0) -> str:
+        req = draft_pb2.CreateDraftSessionRequest(sampling=sampling_proto(cfg), drafter=drafter, rng_offset=rng_offset)
         r = await self._rpc("CreateSession", req, timeout)
         return r.session_id
 

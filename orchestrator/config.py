@@ -36,11 +36,15 @@ class OrchestratorConfig:
     cache_dir: Path | None = None
     default_max_new_tokens: int = 256
     max_new_tokens_limit: int = 4096
-    default_num_draft_tokens: int = 4  # γ for FIXED/AUTO when the request leaves it 0
+    default_num_draft_tokens: int = 4  # γ for FIXED and HEURISTIC's start when the request leaves it 0 (AUTO: adaptive_gamma_max)
     max_num_draft_tokens: int = 16
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_prompt_chars: int = 1_000_000
+    # ... and at most this many characters per token of the model's context
+    # (tokenizing a prompt that cannot fit costs seconds of CPU before it is
+    # refused; real text runs 2-5 characters per token)
+    max_prompt_chars_per_context_token: int = 8
     max_concurrent_streams: int = 256
     draft_timeout_s: float = 5.0  # one Propose call; past it the round runs target-only
     draft_retry_after_rounds: int = 4  # rounds to wait before trying a failed draft again
@@ -57,7 +61,7 @@ class OrchestratorConfig:
     min_confidence: float = 0.0
     confidence_stop_scale: float = 1.0
     # AUTO speculates only while at most this many streams are active; past it
-    # rounds are plain decoding. -1 = from the target's device: 2 on CPU, where
+    # rounds are plain decoding. -1 = from the target's device: 1 on CPU, where
     # draft and target share the cores (measured crossover, docs/benchmarks.md
     # "Load"), unlimited on accelerators, where the load-aware cost model
     # decides; 0 = unlimited.

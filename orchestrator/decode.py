@@ -14,12 +14,12 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol, Sequence
+from typing import Any, AsyncIterator, Protocol, Sequence
 
 import numpy as np
 
 from orchestrator.policy import DraftLengthPolicy, RoundObservation
-from specdec.errors import DeadlineExceeded, InvalidArgument, NotFound, SpecdecError, Unavailable
+from specdec.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, SpecdecError, Unavailable
 from specdec.logging_util import log
 from specdec.sampling import SamplingConfig
 
@@ -80,7 +80,9 @@ class TargetClient(Protocol):
 
 
 class DraftClient(Protocol):
-    async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None) -> str: ...
+    async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None, rng_offset: int = 0) -> str:
+        """A draft session; ``rng_offset`` picks a fresh random stream of a
+        seeded request for each session it recreates (docs/design.md rule 6)."""
 
     async def propose(
         self,
@@ -159,6 +161,7 @@ class DecodeParams:
     release_timeout_s: float = 2.0
     deadline: float | None = None  # time.monotonic() by which the request must end
     min_confidence: float = 0.0  # draft-side confidence early stop; 0 = the policy's (``stop_confidence``)
+    context_limited: bool = False  # max_new_tokens was cut to what the model's context holds
     sink: RoundSink | None = None
 
 
@@ -174,9 +177,11 @@ class Decoder:
         self.target_sid: str | None = None
         self.target_cache_len = 0
         self.draft_sid: str | None = None
+        self.draft_sessions = 0  # draft sessions created so far: the next one's rng_offset
         self.draft_known = 0  # committed tokens the draft session knows
         self.draft_down_until_round = 0
         self._draft_wall_ms = 0.0
+        self._tasks: set[asyncio.Future[Any]] = set()  # fire-and-forget releases
 
     # --------------------------------------------------------------- helpers
     def _timeout(self, cap: float) -> float:
@@ -191,14 +196,17 @@ class Decoder:
     def generated(self) -> int:
         return len(self.committed) - len(self.p.prompt_ids)
 
-    async def _rebuild_target(self) -> None:
-        """Recreates a lost target session from the committed tokens: the last
-        committed token stays pending (it is sent as the next round's delta)."""
+    async def _rebuild_target(self, release_old: bool = False) -> None:
+        """Recreates a lost (or out-of-step, ``release_old``) target session
+        from the committed tokens: the last committed token stays pending (it
+        is sent as the next round's delta)."""
         self.stats.target_rebuilds += 1
         if self.p.sink is not None:
             self.p.sink.on_rebuild()
         old = self.target_sid
         self.target_sid = None
+        if release_old and old is not None:
+            self._background(self.target.release(old, self.p.release_timeout_s))
         log(logger, logging.WARNING, "rebuilding target session", old_session=old, tokens=len(self.committed))
         reply = await self.target.prefill(
             self.committed[:-1], self.p.sampling, False, len(self.committed), self._timeout(self.p.target_timeout_s)
@@ -211,8 +219,9 @@ class Decoder:
         assert self.draft is not None
         try:
             self.draft_sid = await self.draft.create(
-                self.p.sampling, self.p.drafter, self._timeout(self.p.draft_timeout_s)
+                self.p.sampling, self.p.drafter, self._timeout(self.p.draft_timeout_s), self.draft_sessions
             )
+            self.draft_sessions += 1  # the next session (if this one is lost) gets a fresh stream
             self.draft_known = 0
         except InvalidArgument as e:  # e.g. an unknown drafter name: the client's error
             raise UnknownDrafter(f"speculation.drafter: {e.message}") from None
@@ -239,6 +248,10 @@ class Decoder:
                     self._timeout(self.p.draft_timeout_s),
                 )
                 self._draft_wall_ms = (time.perf_counter() - t0) * 1e3
+                problem = self._proposal_problem(reply, gamma)
+                if problem:
+                    self._draft_fault(problem)
+                    return None
                 self.draft_known = reply.committed_len
                 return reply
             except NotFound:
@@ -296,7 +309,9 @@ class Decoder:
             q = proposal.q if (proposal and not self.p.sampling.greedy) else []
             tokens_in_pass = len(self.committed) - self.target_cache_len + len(draft_ids)
             t0 = time.perf_counter()
-            verified = await self._verify(draft_ids, q)
+            verified, draft_ids = await self._verify(draft_ids, q)
+            if not draft_ids:
+                proposal = None  # the target refused the draft's part: this round ran target-only
             verify_wall_ms = (time.perf_counter() - t0) * 1e3
             self.stats.rtt_ms += max(0.0, verify_wall_ms - verified.compute_ms - verified.queue_ms)
             self.stats.rounds += 1
@@ -328,11 +343,20 @@ class Decoder:
             self.committed.extend(new)
             yield Step(new, verified.logit_gaps)
 
-    async def _verify(self, draft_ids: list[int], q: list[SparseQ]) -> VerifyReply:
-        # NOT_FOUND: the replica lost the session; UNAVAILABLE: the replica is
-        # gone or draining. Either way the session is rebuilt from the tokens,
-        # on another replica when the client routes over several.
-        for attempt in range(MAX_REBUILDS_PER_ROUND + 1):
+    async def _verify(self, draft_ids: list[int], q: list[SparseQ]) -> tuple[VerifyReply, list[int]]:
+        """Verifies the round; returns the reply and the drafted ids it
+        verified (empty when the target refused the draft's part).
+
+        NOT_FOUND: the replica lost the session; UNAVAILABLE: the replica is
+        gone or draining; FAILED_PRECONDITION: the session is out of step
+        with the committed tokens. In each case the session is rebuilt from
+        the tokens, on another replica when the client routes over several.
+        INVALID_ARGUMENT with a drafted span: the draft's part (q, ids, span)
+        was refused, a draft fault (docs/design.md §5): the round is redone
+        with γ = 0 and the draft backed off; without a span it is the
+        request's own error."""
+        attempt = 0
+        while True:
             assert self.target_sid is not None
             try:
                 reply = await self.target.verify(
@@ -343,15 +367,56 @@ class Decoder:
                     q,
                     self._timeout(self.p.target_timeout_s),
                 )
-            except (NotFound, Unavailable) as e:
+            except InvalidArgument as e:
+                if not draft_ids:
+                    raise
+                self._draft_fault(f"the target refused the drafted span: {e.message}")
+                draft_ids, q = [], []
+                continue
+            except (NotFound, Unavailable, FailedPrecondition) as e:
                 if attempt == MAX_REBUILDS_PER_ROUND:
                     raise Unavailable(f"target session lost {attempt + 1} times in one round: {e.message}") from None
-                await self._rebuild_target()
+                attempt += 1
+                await self._rebuild_target(release_old=isinstance(e, FailedPrecondition))
                 continue
             self.target_cache_len = reply.cache_len
             self.stats.verify_ms += reply.compute_ms
-            return reply
-        raise AssertionError("unreachable")
+            return reply, draft_ids
+
+    def _proposal_problem(self, reply: ProposeReply, gamma: int) -> str:
+        """What is wrong with a proposal on its face ("" = nothing): a span
+        longer than asked for, q not one per drafted token, or tokens drafted
+        for another prefix than the committed one (docs/design.md §5)."""
+        if len(reply.token_ids) > gamma:
+            return f"the draft proposed {len(reply.token_ids)} tokens for a span of {gamma}"
+        if reply.q and len(reply.q) != len(reply.token_ids):
+            return f"the draft sent {len(reply.q)} distributions for {len(reply.token_ids)} tokens"
+        if reply.committed_len != len(self.committed):
+            return (f"the draft drafted after {reply.committed_len} committed tokens, "
+                    f"not the {len(self.committed)} the request holds")
+        return ""
+
+    def _draft_fault(self, error: str) -> None:
+        """The draft served something the target refused: count it, drop
+        (and release) its session, back its replica off, and run target-only
+        rounds for ``draft_retry_after_rounds`` rounds."""
+        log(logger, logging.WARNING, "draft fault; round redone target-only", error=error)
+        self.stats.draft_failures += 1
+        if self.p.sink is not None:
+            self.p.sink.on_fallback()
+        self.draft_down_until_round = self.stats.rounds + self.p.draft_retry_after_rounds
+        sid, self.draft_sid = self.draft_sid, None
+        if sid is not None and self.draft is not None:
+            fault = getattr(self.draft, "fault", None)
+            if fault is not None:
+                fault(sid, error)
+            self._background(self.draft.release(sid, self.p.release_timeout_s))
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: never "never retrieved"
 
     async def close(self) -> None:
         """Releases both sessions (shielded: runs even when the request was cancelled)."""

@@ -2,7 +2,7 @@
 
 A policy sees only what is known before the round's verification (past
 acceptance, measured costs, the target's reported load), so the choice of γ
-never affects exactness (design.md, rule 5).
+never affects exactness (docs/design.md, rule 5).
 
 - ``FixedPolicy``: always γ.
 - ``HeuristicPolicy``: Hugging Face assisted generation's schedule, +2 after a

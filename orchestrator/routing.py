@@ -390,8 +390,11 @@ class ReplicaPool(Generic[C]):
         assert last is not None
         raise type(last)(f"no {self.service} replica could serve the call ({len(order)} tried); last: {last.message}")
 
-    async def info(self, timeout: float | None = None) -> Any:
-        _, reply = await self.first_success(self.draft_order(), lambda c: c.info(timeout=timeout), back_off=False)
+    async def info(self, timeout: float | None = None, drafter: str = "") -> Any:
+        _, reply = await self.first_success(
+            self.draft_order(), lambda c: c.info(timeout=timeout, drafter=drafter) if drafter else c.info(timeout=timeout),
+            back_off=False,
+        )
         return reply
 
 
@@ -466,8 +469,9 @@ class RoutedDraft(_Bound[Any]):
     loaded of two random replicas. A replica that fails reports the session
     lost (NOT_FOUND), so the decode loop recreates it on another replica."""
 
-    async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None) -> str:
-        r, sid = await self.pool.first_success(self.pool.draft_order(), lambda c: c.create(cfg, drafter, timeout))
+    async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None, rng_offset: int = 0) -> str:
+        r, sid = await self.pool.first_success(self.pool.draft_order(),
+                                               lambda c: c.create(cfg, drafter, timeout, rng_offset))
         self._opened(r, sid)
         return str(sid)
 
@@ -492,6 +496,14 @@ class RoutedDraft(_Bound[Any]):
             self._dropped(session_id)
             raise NotFound(f"draft replica {r.address} failed: {e.message}") from None
 
+    def fault(self, session_id: str, error: str) -> None:
+        """The target refused what this session's replica drafted: back the
+        replica off, so new sessions go elsewhere for a while (the caller
+        releases the session)."""
+        r = self.sessions.get(session_id)
+        if r is not None:
+            self.pool.mark_failed(r, error)
+
 
 class Router(Generic[C]):
     """A pool plus the per-request client factory the servicer uses."""
@@ -503,8 +515,8 @@ class Router(Generic[C]):
     def bind(self, key: str) -> Any:
         return self._bound(self.pool, key)
 
-    async def info(self, timeout: float | None = None) -> Any:
-        return await self.pool.info(timeout)
+    async def info(self, timeout: float | None = None, drafter: str = "") -> Any:
+        return await self.pool.info(timeout, drafter)
 
     async def start(self) -> None:
         await self.pool.start()

@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 
@@ -29,6 +29,10 @@ from specdec.v1 import orchestrator_pb2 as pb
 from specdec.v1 import orchestrator_pb2_grpc
 
 logger = logging.getLogger("specdec.orchestrator")
+access_logger = logging.getLogger("specdec.orchestrator.access")
+
+#: chat roles a request may use (anything else is INVALID_ARGUMENT before the template sees it)
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 MODE_NAMES = {
     pb.SPECULATION_MODE_UNSPECIFIED: "adaptive",
@@ -118,6 +122,19 @@ def speculation_stream_limit(configured: int, target_device: str) -> int:
 
 
 @dataclass
+class _Access:
+    """What the access log and the request counter need to know about one
+    Generate call, filled in as it runs."""
+
+    started: float
+    code: str = "OK"
+    finish: int = 0  # a FinishReason, 0 until a stream finished
+    emitted: int = 0
+    decoder: Decoder | None = None
+    error: str = ""
+
+
+@dataclass
 class ModelLimits:
     vocab_size: int
     eos_token_ids: frozenset[int]
@@ -149,8 +166,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         )
         self.sink = MetricsSink(self.metrics, self.policies)
         self.default_drafter = ""
+        self.refused_drafters: dict[str, str] = {}  # name -> why it was refused at start-up
         self.metrics_port: int | None = None
         self.speculation_max_streams = 0  # 0 = unlimited (set from the target at start)
+        self.identify: Callable[[grpc.aio.ServicerContext], str] | None = None  # the server guard's client identity
         self._over_limit_at = -float("inf")  # last time more streams were active than the gate allows
 
     def _note_load(self) -> None:
@@ -176,6 +195,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.policies.allow = allow if max_streams > 0 else None
         log(logger, logging.INFO, "speculation load gate", max_streams=max_streams or "unlimited", hold_s=hold)
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters a prompt may have: the configured cap, and no more than
+        the context could hold at ``max_prompt_chars_per_context_token``."""
+        return min(self.cfg.max_prompt_chars, self.cfg.max_prompt_chars_per_context_token * self.limits.max_context)
+
     # ------------------------------------------------------------ validation
     def _prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
         given = [bool(req.prompt), len(req.prompt_token_ids) > 0, len(req.messages) > 0]
@@ -196,16 +221,22 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             for i, m in enumerate(req.messages):
                 if not m.role:
                     raise InvalidArgument(f"messages[{i}].role is empty")
+                if m.role not in CHAT_ROLES:
+                    raise InvalidArgument(
+                        f"messages[{i}].role {m.role[:32]!r} is not one of {', '.join(sorted(CHAT_ROLES))}"
+                    )
                 msgs.append({"role": m.role, "content": m.content})
-            if sum(len(m["content"]) for m in msgs) > self.cfg.max_prompt_chars:
-                raise InvalidArgument(f"messages exceed {self.cfg.max_prompt_chars} characters")
+            if sum(len(m["content"]) for m in msgs) > self.max_prompt_chars:
+                raise InvalidArgument(f"messages exceed {self.max_prompt_chars} characters (the model's context "
+                                      f"holds {self.limits.max_context} tokens)")
             try:
                 text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
             except Exception as e:  # template errors are the caller's (e.g. bad role order)
                 raise InvalidArgument(f"messages could not be rendered with the chat template: {e}") from None
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        if len(req.prompt) > self.cfg.max_prompt_chars:
-            raise InvalidArgument(f"prompt of {len(req.prompt)} characters exceeds {self.cfg.max_prompt_chars}")
+        if len(req.prompt) > self.max_prompt_chars:
+            raise InvalidArgument(f"prompt of {len(req.prompt)} characters exceeds {self.max_prompt_chars} (the "
+                                  f"model's context holds {self.limits.max_context} tokens)")
         ids = list(self.tokenizer(req.prompt)["input_ids"])
         if not ids:
             raise InvalidArgument("prompt tokenizes to no tokens")
@@ -218,12 +249,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         max_new = req.max_new_tokens or self.cfg.default_max_new_tokens
         if max_new > self.cfg.max_new_tokens_limit:
             raise InvalidArgument(f"max_new_tokens {max_new} exceeds the limit {self.cfg.max_new_tokens_limit}")
-        if len(prompt_ids) + max_new > self.limits.max_context:
-            if len(prompt_ids) >= self.limits.max_context:
+        context_limited = False
+        if len(prompt_ids) + max_new > self.limits.max_context - 1:
+            if len(prompt_ids) >= self.limits.max_context - 1:
                 raise InvalidArgument(
-                    f"prompt of {len(prompt_ids)} tokens exceeds the model context of {self.limits.max_context}"
+                    f"prompt of {len(prompt_ids)} tokens leaves no room in the model context of {self.limits.max_context}"
                 )
             max_new = self.limits.max_context - len(prompt_ids) - 1
+            context_limited = True
         if len(req.stop) > self.cfg.max_stop_strings:
             raise InvalidArgument(f"at most {self.cfg.max_stop_strings} stop strings are allowed")
         for s in req.stop:
@@ -240,6 +273,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise InvalidArgument(f"speculation.min_confidence must be in [0, 1), got {spec.min_confidence}")
         mode = MODE_NAMES[spec.mode]
         speculate = mode != "off" and self.draft is not None
+        if speculate and spec.drafter in self.refused_drafters:
+            raise InvalidArgument(f"speculation.drafter {spec.drafter!r} was refused at start-up: "
+                                  f"{self.refused_drafters[spec.drafter]}")
         policy = self.policies.make(mode if speculate else "off", spec.num_draft_tokens, spec.drafter or self.default_drafter)
         return DecodeParams(
             prompt_ids=prompt_ids,
@@ -257,19 +293,77 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             # 0 leaves AUTO's per-round threshold to its policy (derived from costs)
             min_confidence=spec.min_confidence or (self.cfg.min_confidence if mode == "adaptive" else 0.0),
             sink=self.sink,
+            context_limited=context_limited,
         )
 
     # -------------------------------------------------------------- Generate
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the orchestrator is shutting down; retry")
-        if self.active >= self.cfg.max_concurrent_streams:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"too many concurrent streams ({self.cfg.max_concurrent_streams})",
+        """Streams one generation; whatever ends it, the request is counted by
+        its final status code and written to the access log once."""
+        rec = _Access(started=time.perf_counter())
+        try:
+            async for chunk in self._generate(request, context, rec):
+                yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            if rec.code == "OK":
+                remaining = context.time_remaining()
+                rec.code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+            raise
+        except BaseException as e:
+            if rec.code == "OK":  # not a status this servicer chose (an abort sets it first)
+                rec.code, rec.error = "INTERNAL", repr(e)[:200]
+            raise
+        finally:
+            self._account(rec, request, context)
+
+    async def _abort(self, context: grpc.aio.ServicerContext, rec: "_Access", code: grpc.StatusCode, message: str) -> None:
+        rec.code, rec.error = code.name, message[:200]
+        await context.abort(code, message)
+
+    def _account(self, rec: "_Access", request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        finish = pb.FinishReason.Name(rec.finish) if rec.finish else "NONE"
+        self.metrics.requests.labels(finish, rec.code).inc()
+        d = rec.decoder
+        stats = d.stats if d is not None else None
+        wall = time.perf_counter() - rec.started
+        fields: dict[str, Any] = {
+            "client": self.identify(context) if self.identify is not None else (context.peer() or ""),
+            "code": rec.code, "finish_reason": finish, "duration_ms": round(wall * 1e3, 1),
+            "mode": MODE_NAMES.get(request.speculation.mode, str(request.speculation.mode)),
+        }
+        if d is not None and stats is not None:
+            ttft = (stats.first_token_at - stats.started) * 1e3 if stats.first_token_at is not None else None
+            fields.update(
+                prompt_tokens=stats.prompt_tokens, new_tokens=rec.emitted,
+                drafter=d.p.drafter_label if d.draft is not None else "", policy=d.p.policy.name,
+                ttft_ms=round(ttft, 1) if ttft is not None else None,
+                tokens_per_s=round(rec.emitted / wall, 2) if wall > 0 else 0.0,
+                acceptance=round(stats.acceptance_rate, 3), rounds=stats.rounds,
+                draft_failures=stats.draft_failures, target_rebuilds=stats.target_rebuilds,
             )
+        if rec.error:
+            fields["error"] = rec.error
+        log(access_logger, logging.INFO, "request", **fields)
+
+    def on_rejected(self, method: str, code: grpc.StatusCode, reason: str, client: str) -> None:
+        """A call the server guard refused before it reached a servicer
+        (authentication, unparsable request, expired deadline, per-client
+        limit): counted and logged like any other request."""
+        if method.endswith("/Generate"):
+            self.metrics.requests.labels("NONE", code.name).inc()
+        log(access_logger, logging.INFO, "request", client=client, method=method, code=code.name,
+            finish_reason="NONE", error=reason[:200])
+
+    async def _generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, rec: "_Access"
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        if self.draining:
+            await self._abort(context, rec, grpc.StatusCode.UNAVAILABLE, "the orchestrator is shutting down; retry")
+        if self.active >= self.cfg.max_concurrent_streams:
+            await self._abort(context, rec, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"too many concurrent streams ({self.cfg.max_concurrent_streams})")
         self.active += 1
         self._note_load()
         self.metrics.active_streams.inc()
@@ -281,10 +375,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             params = self._params(request, prompt_ids, deadline)
             key = uuid.uuid4().hex  # the session-affinity key of this request's target session
             decoder = Decoder(self.target.bind(key), self.draft.bind(key) if self.draft else None, params)
-            async for chunk in self._stream(decoder, request):
+            rec.decoder = decoder
+            async for chunk in self._stream(decoder, request, rec):
                 yield chunk
         except SpecdecError as e:
-            await context.abort(e.code, e.message)
+            await self._abort(context, rec, e.code, e.message)
         finally:
             self._note_load()
             self.active -= 1
@@ -292,13 +387,16 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             if decoder is not None:
                 await decoder.close()
 
-    async def _stream(self, decoder: Decoder, req: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def _stream(
+        self, decoder: Decoder, req: pb.GenerateRequest, rec: "_Access"
+    ) -> AsyncIterator[pb.GenerateResponse]:
         detok = IncrementalDetokenizer(self.tokenizer, decoder.p.prompt_ids)
         stops = StopMatcher(list(req.stop))
         eos = frozenset() if req.ignore_eos else self.limits.eos_token_ids
         max_new = decoder.p.max_new_tokens
+        at_max = pb.FINISH_REASON_CONTEXT_LENGTH if decoder.p.context_limited else pb.FINISH_REASON_LENGTH
         emitted = 0
-        finish = pb.FINISH_REASON_LENGTH
+        finish = at_max
         steps = decoder.run()
         try:
             async for step in steps:
@@ -309,11 +407,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     ids.append(tok)
                     gaps.append(gap)
                     emitted += 1
+                    rec.emitted = emitted
                     if tok in eos:
                         finish, done = pb.FINISH_REASON_EOS, True
                         break
                     if emitted >= max_new:
-                        finish, done = pb.FINISH_REASON_LENGTH, True
+                        finish, done = at_max, True
                         break
                 text = stops.push(detok.push(ids))
                 if stops.stopped:
@@ -321,11 +420,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 if done:
                     text += stops.push(detok.flush()) if not stops.stopped else ""
                     text += stops.flush()
+                    rec.finish = finish
                     yield self._chunk(text, ids, gaps, req, finish, decoder, emitted)
                     return
                 if text or ids:
                     yield self._chunk(text, ids, gaps, req, None, None, emitted)
             # the loop ended on max_new_tokens exactly at a round boundary
+            rec.finish = finish
             yield self._chunk(stops.flush(), [], [], req, finish, decoder, emitted)
         finally:
             await steps.aclose()
@@ -351,7 +452,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             msg.stats.CopyFrom(stats_proto(stats, emitted))
             msg.stats.policy = policy_name
             msg.stats.drafter = drafter
-            self.metrics.requests.labels(pb.FinishReason.Name(finish)).inc()
             self.metrics.generated_tokens.inc(emitted)
             if stats.first_token_at is not None:
                 self.metrics.ttft.observe(stats.first_token_at - stats.started)
@@ -446,18 +546,41 @@ async def _attach_draft(
     except Unavailable as e:
         log(logger, logging.WARNING, "draft service never became ready; serving target-only", error=e.message)
         return
-    if dinfo.tokenizer_fingerprint and dinfo.tokenizer_fingerprint != target_info.tokenizer_fingerprint:
-        log(logger, logging.WARNING, "draft tokenizer differs from the target's; speculation disabled")
-        return
-    if dinfo.vocab_size > target_info.vocab_size:
-        log(logger, logging.WARNING, "draft vocabulary is larger than the target's; speculation disabled")
+    default = dinfo.drafter or dinfo.model_name
+    infos = {default: dinfo}
+    for name in dinfo.drafters:  # every hosted drafter, not only the default
+        if name and name not in infos:
+            try:
+                infos[name] = await draft.info(timeout=10.0, drafter=name)
+            except SpecdecError as e:
+                servicer.refused_drafters[name] = f"its model info could not be read: {e.message}"
+    costs: dict[str, float] = {}
+    for name, info in infos.items():
+        why = drafter_mismatch(info, target_info)
+        if why:
+            servicer.refused_drafters[name] = why
+            log(logger, logging.ERROR, "drafter refused", drafter=name, reason=why)
+        elif info.forward_cost:
+            costs[name] = info.forward_cost[0].ms
+    if default in servicer.refused_drafters:
+        log(logger, logging.WARNING, "the draft service's default drafter is refused; speculation disabled",
+            drafter=default, reason=servicer.refused_drafters[default])
         return
     servicer.draft = draft
-    servicer.default_drafter = dinfo.drafter or dinfo.model_name
-    if dinfo.forward_cost:
-        servicer.policies.set_cost_priors(draft_token_ms={servicer.default_drafter: dinfo.forward_cost[0].ms})
-    log(logger, logging.INFO, "draft service attached", draft=dinfo.model_name,
-        draft_token_ms=dinfo.forward_cost[0].ms if dinfo.forward_cost else None)
+    servicer.default_drafter = default
+    servicer.policies.set_cost_priors(draft_token_ms=costs)
+    log(logger, logging.INFO, "draft service attached", draft=dinfo.model_name, drafters=sorted(infos),
+        refused=sorted(servicer.refused_drafters) or None, draft_token_ms=costs or None)
+
+
+def drafter_mismatch(info: Any, target_info: Any) -> str:
+    """Why a drafter cannot speculate for this target ("" = it can): it must
+    propose in the target's vocabulary, with the target's tokenizer."""
+    if info.tokenizer_fingerprint and info.tokenizer_fingerprint != target_info.tokenizer_fingerprint:
+        return "its tokenizer fingerprint differs from the target's (it would propose ids of another vocabulary)"
+    if info.vocab_size > target_info.vocab_size:
+        return f"its vocabulary ({info.vocab_size}) is larger than the target's ({target_info.vocab_size})"
+    return ""
 
 
 async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> OrchestratorServer:
@@ -493,6 +616,7 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
         TokenStore(config.auth_tokens_file) if config.auth_tokens_file is not None else None,
         protect_health=config.auth_protect_health,
         max_calls_per_client=config.max_streams_per_client,
+        log_to=logger,
     )
 
     class _Servicer(orchestrator_pb2_grpc.OrchestratorServicer):
@@ -529,6 +653,8 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
         raise
     limits = ModelLimits(info.vocab_size, frozenset(info.eos_token_ids), info.max_context_tokens)
     servicer = OrchestratorServicer(config, tokenizer, target, None, limits, metrics)
+    servicer.identify = guard.identify
+    guard.on_reject = servicer.on_rejected
     servicer.set_speculation_limit(speculation_stream_limit(config.speculation_max_streams, info.device))
     # the target's measured t(k) starts every cost model (live rounds replace it)
     servicer.policies.set_cost_priors(verify_curve={p.tokens: p.ms for p in info.forward_cost})

@@ -142,12 +142,10 @@ def to_markdown(res: dict) -> str:  # type: ignore[type-arg]
 
 
 def plot(res: dict, path: Path) -> None:  # type: ignore[type-arg]
-    try:
-        import matplotlib
+    from specdec.bench import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, r in res["pairs"].items():

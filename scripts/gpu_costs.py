@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 # Architecture of the default models (their config.json, weights not needed)
 CONFIGS = {
     "qwen2.5-coder-1.5b": dict(
@@ -193,12 +195,10 @@ def to_markdown(res: dict) -> str:  # type: ignore[type-arg]
 
 
 def plot(res: dict, path: Path) -> None:  # type: ignore[type-arg]
-    try:
-        import matplotlib
+    from specdec.bench import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, r in res["models"].items():

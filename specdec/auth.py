@@ -183,7 +183,14 @@ class ServerGuard(grpc.aio.ServerInterceptor):
         *,
         protect_health: bool = False,
         max_calls_per_client: int = 0,
+        log_to: logging.Logger | None = None,
     ) -> None:
+        """``log_to``: the serving component's logger, which logs the calls
+        this guard refuses (default ``specdec.auth``); ``on_reject(method,
+        code, reason, client)`` is called for each of them too (the
+        orchestrator counts them with its requests)."""
+        self.logger = log_to or logger
+        self.on_reject: Callable[[str, grpc.StatusCode, str, str], None] | None = None
         self.tokens = tokens
         self.protect_health = protect_health
         self.max_calls_per_client = max_calls_per_client
@@ -210,6 +217,23 @@ class ServerGuard(grpc.aio.ServerInterceptor):
         if not entry.allows(method):
             raise _Reject(grpc.StatusCode.PERMISSION_DENIED, f"client {entry.name!r} may not call {method}")
         return entry.name
+
+    def identify(self, context: grpc.aio.ServicerContext) -> str:
+        """Who is calling, for logs: the bearer token's client name when it
+        is valid, else the client certificate's subject, else the peer
+        address. Never raises."""
+        if self.tokens is not None:
+            for k, v in context.invocation_metadata() or ():
+                if k == "authorization":
+                    scheme, _, token = str(v).strip().partition(" ")
+                    entry = self.tokens.lookup(token.strip()) if scheme.lower() == "bearer" else None
+                    if entry is not None:
+                        return entry.name
+                    break
+        try:
+            return self._peer_identity(context)
+        except Exception:
+            return "unknown"
 
     @staticmethod
     def _peer_identity(context: grpc.aio.ServicerContext) -> str:
@@ -243,7 +267,14 @@ class ServerGuard(grpc.aio.ServerInterceptor):
             self.active[identity] += 1
             return identity
         except _Reject as r:
-            log(logger, logging.INFO, "request rejected", method=method, code=r.code.name, reason=r.message)
+            client = self.identify(context)
+            log(self.logger, logging.INFO, "request rejected", method=method, code=r.code.name, reason=r.message,
+                client=client)
+            if self.on_reject is not None:
+                try:
+                    self.on_reject(method, r.code, r.message, client)
+                except Exception:  # accounting must never change the answer
+                    self.logger.exception("rejection hook failed")
             await context.abort(r.code, r.message)
         raise AssertionError("unreachable")
 

@@ -69,6 +69,15 @@ def _add_batch_flags(p: argparse._ActionsContainer, prefix: str = "") -> None:
                    help="target: padded input tokens per forward pass (rows x longest input)")
     p.add_argument(f"--{prefix}max-queue", dest="max_queue", type=int, default=256,
                    help="pending model calls before RESOURCE_EXHAUSTED")
+    p.add_argument(f"--{prefix}max-sessions", dest="target_max_sessions", type=int, default=64,
+                   help="target: sessions (KV caches) held at once")
+    p.add_argument(f"--{prefix}session-ttl", dest="target_session_ttl", type=float, default=600.0,
+                   help="target: idle sessions are released after this many seconds")
+    p.add_argument(f"--{prefix}kv-protect-active", dest="target_kv_protect", type=float, default=10.0,
+                   help="target: a new session never evicts one used within this many seconds (it gets "
+                        "RESOURCE_EXHAUSTED instead; 0 = plain LRU eviction)")
+    p.add_argument(f"--{prefix}max-span", dest="target_max_span", type=int, default=32,
+                   help="target: longest drafted span a Verify accepts")
 
 
 def _add_speculation_flags(p: argparse._ActionsContainer) -> None:
@@ -165,9 +174,11 @@ def target_config(a: argparse.Namespace, port: int) -> Any:
         tls=_server_tls(a),
         max_batch_size=a.max_batch_size, batch_window_ms=a.batch_window_ms, batch_regroup_ms=a.batch_regroup_ms,
         max_batch_tokens=a.max_batch_tokens, max_queue=a.max_queue,
+        max_sessions=a.target_max_sessions, session_ttl_s=a.target_session_ttl,
+        kv_protect_active_s=a.target_kv_protect, max_span=a.target_max_span,
     )
     try:
-        cfg.batch_limits()
+        cfg.validate()
     except ValueError as e:
         # name the flags the user typed, not the config fields behind them
         prefix = "target-" if getattr(a, "cmd", "") == "up" else ""
@@ -178,7 +189,9 @@ def target_config(a: argparse.Namespace, port: int) -> Any:
     return cfg
 
 
-_BATCH_FLAGS = {"max_batch_size": "max-batch-size", "max_batch_tokens": "max-batch-tokens",
+_BATCH_FLAGS = {"max_sessions": "max-sessions", "session_ttl_s": "session-ttl",
+                "kv_protect_active_s": "kv-protect-active", "max_span": "max-span",
+                "max_batch_size": "max-batch-size", "max_batch_tokens": "max-batch-tokens",
                 "max_batch_kv_tokens": "kv-budget-tokens", "batch_window_ms": "batch-window-ms",
                 "regroup_ms": "batch-regroup-ms"}
 
@@ -334,6 +347,8 @@ def cmd_up(a: argparse.Namespace) -> int:
                           "--max-batch-size", str(a.max_batch_size), "--batch-window-ms", str(a.batch_window_ms),
                           "--batch-regroup-ms", str(a.batch_regroup_ms),
                           "--max-batch-tokens", str(a.max_batch_tokens), "--max-queue", str(a.max_queue),
+                          "--max-sessions", str(a.target_max_sessions), "--session-ttl", str(a.target_session_ttl),
+                          "--kv-protect-active", str(a.target_kv_protect), "--max-span", str(a.target_max_span),
                           "--metrics-port", str(a.metrics_port + 2 if a.metrics_port else 0)] + common,
         "orchestrator": base + ["orchestrator", "--port", str(oport), "--target-address", f"127.0.0.1:{tport}",
                                 "--draft-address", "" if a.no_draft else f"127.0.0.1:{dport}",

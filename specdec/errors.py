@@ -1,6 +1,8 @@
 """Domain errors that map one-to-one onto gRPC status codes.
 
-Domain code raises these; servicers translate them with ``abort_on_error``.
+Domain code raises these; servicers translate them with
+``specdec.grpc_util.translate_errors`` (and ``from_rpc_error`` maps a
+client-side RpcError back).
 Keeping the mapping here lets the engines stay free of gRPC imports.
 """
 

@@ -72,7 +72,8 @@ class OrchestratorMetrics:
             num_draft_tokens_stopped=Counter("specdec_spec_decode_num_draft_tokens_stopped", "Tokens the policy asked for but the drafter did not draft (confidence early stop, context limit).", ["drafter"], registry=r),
             rounds=Counter("specdec_rounds", "Verify rounds (including γ = 0 plain decoding steps).", registry=r),
             generated_tokens=Counter("specdec_generated_tokens", "Tokens streamed to clients.", registry=r),
-            requests=Counter("specdec_requests", "Finished Generate requests.", ["finish_reason"], registry=r),
+            requests=Counter("specdec_requests", "Generate requests by final gRPC status code (rejected and cancelled "
+                             "ones included; finish_reason NONE when no stream finished).", ["finish_reason", "code"], registry=r),
             draft_failures=Counter("specdec_draft_failures", "Rounds that fell back to target-only because the draft failed.", registry=r),
             target_rebuilds=Counter("specdec_target_session_rebuilds", "Target sessions rebuilt from the orchestrator's tokens.", registry=r),
             round_time=Histogram("specdec_round_seconds", "Wall time of one draft + verify round.", buckets=_BUCKETS, registry=r),

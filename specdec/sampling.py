@@ -133,9 +133,16 @@ def rejection_sample(
 
     draft_ids:    γ drafted ids.
     draft_q:      γ sparse distributions (ids [K], probs [K]); None = one-hot q.
+                  Each is renormalised before use (docs/design.md rule 2: the
+                  draft's sampler draws from q / Σq; float32 sums are 1 only up
+                  to rounding).
     target_probs: [γ+1, V] processed target probabilities (``process_logits``);
                   row i scores draft_ids[i], row γ gives the bonus.
     generator:    the request's RNG (CPU torch.Generator).
+
+    Raises ValueError for a drafted token with q(x) ≤ 0: it cannot have been
+    sampled from q (docs/design.md rule 7), and accepting it could commit a
+    token the target gives probability 0.
     """
     gamma = len(draft_ids)
     p_all = target_probs.float().cpu()
@@ -147,15 +154,21 @@ def rejection_sample(
         if sparse is None:
             q_x = 1.0
         else:
-            ids, probs = sparse
-            hit = np.nonzero(np.asarray(ids) == x)[0]
-            q_x = float(np.asarray(probs)[hit[0]]) if hit.size else 0.0
+            ids = np.asarray(sparse[0])
+            probs = np.asarray(sparse[1], dtype=np.float64)
+            total_q = float(probs.sum())
+            if not total_q > 0.0:
+                raise ValueError(f"draft q at position {i} has no probability mass")
+            probs = probs / total_q
+            sparse = (ids, probs)
+            hit = np.nonzero(ids == x)[0]
+            q_x = float(probs[hit[0]]) if hit.size else 0.0
+        if q_x <= 0.0:
+            raise ValueError(f"drafted token {x} at position {i} has q(x) = {q_x}: it was not sampled from q")
         p_x = float(p[x])
         u = float(torch.rand((), generator=generator))
-        # Accept with probability min(1, p(x)/q(x)). q_x == 0 cannot happen for
-        # a token that was sampled from q; treat it as certain acceptance only if
-        # p_x > 0 (ratio = inf), which keeps the math total.
-        if q_x <= 0.0 or u * q_x < p_x:
+        # Accept with probability min(1, p(x)/q(x)).
+        if u * q_x < p_x:
             continue
         # Rejected: recover from norm(max(0, p - q)).
         q = (

@@ -50,6 +50,18 @@ class TargetServiceConfig:
     health_port: int = 0  # plaintext port serving only grpc.health.v1 (kubelet probes when TLS is on); 0 = off
     tls: TlsServerConfig | None = None  # None = plaintext; client_ca set = mutual TLS
 
+    def validate(self) -> None:
+        """ValueError naming the first bad value (batching limits included)."""
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
+        if not self.session_ttl_s > 0:
+            raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
+        if not self.kv_protect_active_s >= 0:
+            raise ValueError(f"kv_protect_active_s must be >= 0, got {self.kv_protect_active_s}")
+        if not 1 <= self.max_span <= 1024:
+            raise ValueError(f"max_span must be in [1, 1024], got {self.max_span}")
+        self.batch_limits()
+
     def batch_limits(self) -> BatchLimits:
         """The batch scheduler's limits (validated: ValueError names a bad value)."""
         limits = BatchLimits(

@@ -16,7 +16,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Coroutine, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -224,13 +224,17 @@ def start_stack(
     default_drafter: str | None = None,
     target_tokenizer: str | None = None,
     tls_dir: Path | None = None,
+    interpose: Callable[[str, str], Awaitable[tuple[str, str]]] | None = None,
 ) -> Stack:
     """``drafters`` (optional) replaces the single ``draft_dir`` drafter: the
     in-process draft service hosts all of them; ``target_tokenizer`` is what
     tli / prompt-lookup drafters propose in (default: ``target_dir``).
     ``tls_dir`` (scripts/gen_dev_certs.sh output) turns TLS on everywhere:
     mutual TLS to draft and target, server TLS on the orchestrator; the
-    stack's test clients present ``client.crt``."""
+    stack's test clients present ``client.crt``.
+    ``interpose(target_address, draft_address)`` runs on the stack's loop
+    before the orchestrator starts and returns the addresses it should use
+    instead (fault proxies, tests/faults.py)."""
     from draft_service.server import start as start_draft
     from orchestrator.server import start as start_orch
     from target_service.server import start as start_target
@@ -261,7 +265,10 @@ def start_stack(
         )
         draft = loop.run(start_draft(dcfg))
         draft_addr = f"127.0.0.1:{draft.port}"
-    ocfg = OrchestratorConfig(target_addresses=[f"127.0.0.1:{target.port}"],
+    target_addr = f"127.0.0.1:{target.port}"
+    if interpose is not None:
+        target_addr, draft_addr = loop.run(interpose(target_addr, draft_addr))
+    ocfg = OrchestratorConfig(target_addresses=[target_addr],
                               draft_addresses=[draft_addr] if draft_addr else [],
                               tokenizer=str(target_dir), port=0, cache_dir=cache_dir,
                               # tests exercise speculation under concurrency: no load gate

@@ -181,6 +181,7 @@ def test_tli_context_is_the_targets_text(multi_stack: Stack, tli_models: TliMode
     ],
     ids=["tli-t1", "tli-t0.8-k3-p0.9", "prompt-lookup-t1"],
 )
+@pytest.mark.statistical
 def test_sampled_sequences_match_exact_target_distribution(
     small_stack: Stack, tli_models: TliModels, drafter: str, cfg: SamplingConfig, prompt: list[int]
 ) -> None:

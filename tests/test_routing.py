@@ -68,7 +68,7 @@ class FakeService:
         self._known(sid)
         return VerifyReply(0, 1, cache_len + len(new_ids), [0.0], 0.0, 0.0)
 
-    async def create(self, cfg: Any, drafter: str, timeout: Any) -> str:
+    async def create(self, cfg: Any, drafter: str, timeout: Any, rng_offset: int = 0) -> str:
         self._call("create")
         return self._new()
 

@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from specdec.loadbench import rss_mb
 from tests.stack import start_stack
 
@@ -26,6 +28,7 @@ RSS_GROWTH_LIMIT = 0.15
 PROMPTS = ["soak test one", "the quick brown fox", "a, b, c.", "zz top", "hello world!", "kv cache", "spec", "lossless"]
 
 
+@pytest.mark.soak
 def test_soak_16_streams_two_minutes(tiny_models, onnx_cache_dir: Path) -> None:  # type: ignore[no-untyped-def]
     st = start_stack(tiny_models.target, tiny_models.draft, onnx_cache_dir,
                      target_overrides={"max_batch_size": 16, "batch_window_ms": 2.0})

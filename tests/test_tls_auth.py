@@ -382,3 +382,70 @@ def test_cli_flags_build_the_typed_settings(tmp_path: Path) -> None:
     plain.target_model = "m"
     cfg = orchestrator_config(plain, 1)
     assert cfg.tls is None and cfg.upstream_tls is None and cfg.auth_tokens_file is None
+
+
+# ------------------------------------------------------ the Python client
+def test_python_client_streams_over_tls_with_a_token(stack: Stack, certs: Path) -> None:
+    import asyncio
+
+    from specdec.client import AsyncClient, Client
+
+    off = generate(stack, bearer(ALICE), prompt="client hello", mode="off", max_new_tokens=16)
+    tls = {"tls_ca": certs / "ca.crt"}
+    with Client(stack.address, token=ALICE, **tls) as c:
+        deltas = list(c.stream("client hello", max_new_tokens=16, mode="fixed", num_draft_tokens=3))
+        assert [t for d in deltas for t in d.token_ids] == off
+        res = c.generate("client hello", max_new_tokens=16)
+        assert res.token_ids == off and res.text == "".join(d.text for d in deltas)
+        assert res.finish_reason == "FINISH_REASON_LENGTH" and res.stats.generated_tokens == 16
+        chat = c.generate([("user", "hi")], max_new_tokens=4, temperature=0.8, seed=3)
+        assert len(chat.token_ids) == 4
+    with Client(stack.address, token="not-a-token", **tls) as c, pytest.raises(grpc.RpcError) as e:
+        c.generate("client hello", max_new_tokens=2)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    async def run() -> tuple[list[int], list[int]]:
+        async with AsyncClient(stack.address, token=BOB, **tls) as ac:
+            streamed = [t async for d in ac.stream("client hello", max_new_tokens=16) for t in d.token_ids]
+            whole = await ac.generate("client hello", max_new_tokens=16, mode="off")
+            return streamed, whole.token_ids
+
+    streamed, whole = asyncio.run(run())
+    assert streamed == off and whole == off
+    stack.assert_clean()
+
+
+def test_every_request_is_counted_by_status_code_and_logged(stack: Stack, caplog: Any) -> None:
+    from prometheus_client import generate_latest
+
+    caplog.set_level("INFO", logger="specdec.orchestrator")
+
+    def count(code: str, finish: str) -> float:
+        text = generate_latest(stack.orchestrator.servicer.metrics.registry).decode()
+        for line in text.splitlines():
+            if line.startswith("specdec_requests_total{") and f'code="{code}"' in line and f'finish_reason="{finish}"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = {k: count(*k) for k in [("OK", "FINISH_REASON_LENGTH"), ("UNAUTHENTICATED", "NONE"),
+                                       ("INVALID_ARGUMENT", "NONE"), ("CANCELLED", "NONE")]}
+    generate(stack, bearer(ALICE), prompt="counted", max_new_tokens=3)
+    assert code_of(lambda: generate(stack, bearer("wrong"), prompt="x")) == grpc.StatusCode.UNAUTHENTICATED
+    assert code_of(lambda: generate(stack, bearer(BOB), prompt="x", max_new_tokens=10**6)) == grpc.StatusCode.INVALID_ARGUMENT
+    call = stack.orch_stub().Generate(make_request(prompt="cancel me", max_new_tokens=400), timeout=60,
+                                      metadata=bearer(BOB))
+    next(call)
+    call.cancel()
+    stack.wait_no_sessions()
+    for _ in range(100):  # the cancelled stream is accounted when its handler unwinds
+        if count("CANCELLED", "NONE") > before[("CANCELLED", "NONE")]:
+            break
+        __import__("time").sleep(0.05)
+    for key, was in before.items():
+        assert count(*key) == was + 1, key
+    lines = [r for r in caplog.records if r.name == "specdec.orchestrator.access"]
+    fields = [getattr(r, "fields", None) or r.__dict__ for r in lines]
+    text = "\n".join(r.getMessage() + " " + str(f) for r, f in zip(lines, fields))
+    assert "alice" in text and "UNAUTHENTICATED" in text and "INVALID_ARGUMENT" in text and "CANCELLED" in text
+    # the guard's refusals are logged under the orchestrator, not specdec.auth
+    assert not [r for r in caplog.records if r.name == "specdec.auth" and "rejected" in r.getMessage()]

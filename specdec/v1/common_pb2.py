@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"Y\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x04 \x01(\r\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"#\n\x10ModelInfoRequest\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\"\xd0\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x07 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x08 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12\x1a\n\x12numerics_chosen_by\x18\n \x01(\t\x12\x0f\n\x07\x63pu_isa\x18\x0b \x01(\t\x12+\n\x0c\x66orward_cost\x18\x0c \x03(\x0b\x32\x15.specdec.v1.CostPoint\x12.\n\ncalibrated\x18\r \x03(\x0b\x32\x1a.specdec.v1.CalibratedPair\"\'\n\tCostPoint\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\n\n\x02ms\x18\x02 \x01(\x01\"y\n\x0e\x43\x61libratedPair\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12+\n\x0c\x66orward_cost\x18\x03 \x03(\x0b\x32\x15.specdec.v1.CostPoint\x12\x1a\n\x12score_tokens_per_s\x18\x04 \x01(\x01\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"Y\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x04 \x01(\r\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"#\n\x10ModelInfoRequest\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\"\xe2\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x07 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x08 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12\x1a\n\x12numerics_chosen_by\x18\n \x01(\t\x12\x0f\n\x07\x63pu_isa\x18\x0b \x01(\t\x12+\n\x0c\x66orward_cost\x18\x0c \x03(\x0b\x32\x15.specdec.v1.CostPoint\x12.\n\ncalibrated\x18\r \x03(\x0b\x32\x1a.specdec.v1.CalibratedPair\x12\x10\n\x08\x64rafters\x18\x0e \x03(\t\"\'\n\tCostPoint\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\n\n\x02ms\x18\x02 \x01(\x01\"y\n\x0e\x43\x61libratedPair\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12+\n\x0c\x66orward_cost\x18\x03 \x03(\x0b\x32\x15.specdec.v1.CostPoint\x12\x1a\n\x12score_tokens_per_s\x18\x04 \x01(\x01\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,13 +40,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELINFOREQUEST']._serialized_start=283
   _globals['_MODELINFOREQUEST']._serialized_end=318
   _globals['_MODELINFO']._serialized_start=321
-  _globals['_MODELINFO']._serialized_end=657
-  _globals['_COSTPOINT']._serialized_start=659
-  _globals['_COSTPOINT']._serialized_end=698
-  _globals['_CALIBRATEDPAIR']._serialized_start=700
-  _globals['_CALIBRATEDPAIR']._serialized_end=821
-  _globals['_RELEASEREQUEST']._serialized_start=823
-  _globals['_RELEASEREQUEST']._serialized_end=859
-  _globals['_RELEASERESPONSE']._serialized_start=861
-  _globals['_RELEASERESPONSE']._serialized_end=896
+  _globals['_MODELINFO']._serialized_end=675
+  _globals['_COSTPOINT']._serialized_start=677
+  _globals['_COSTPOINT']._serialized_end=716
+  _globals['_CALIBRATEDPAIR']._serialized_start=718
+  _globals['_CALIBRATEDPAIR']._serialized_end=839
+  _globals['_RELEASEREQUEST']._serialized_start=841
+  _globals['_RELEASEREQUEST']._serialized_end=877
+  _globals['_RELEASERESPONSE']._serialized_start=879
+  _globals['_RELEASERESPONSE']._serialized_end=914
 # @@protoc_insertion_point(module_scope)

@@ -45,7 +45,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self, drafter: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "max_context_tokens", "dtype", "device", "tokenizer_fingerprint", "drafter", "backend", "numerics_chosen_by", "cpu_isa", "forward_cost", "calibrated")
+    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "max_context_tokens", "dtype", "device", "tokenizer_fingerprint", "drafter", "backend", "numerics_chosen_by", "cpu_isa", "forward_cost", "calibrated", "drafters")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class ModelInfo(_message.Message):
     CPU_ISA_FIELD_NUMBER: _ClassVar[int]
     FORWARD_COST_FIELD_NUMBER: _ClassVar[int]
     CALIBRATED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -72,7 +73,8 @@ class ModelInfo(_message.Message):
     cpu_isa: str
     forward_cost: _containers.RepeatedCompositeFieldContainer[CostPoint]
     calibrated: _containers.RepeatedCompositeFieldContainer[CalibratedPair]
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., drafter: _Optional[str] = ..., backend: _Optional[str] = ..., numerics_chosen_by: _Optional[str] = ..., cpu_isa: _Optional[str] = ..., forward_cost: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., calibrated: _Optional[_Iterable[_Union[CalibratedPair, _Mapping]]] = ...) -> None: ...
+    drafters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., drafter: _Optional[str] = ..., backend: _Optional[str] = ..., numerics_chosen_by: _Optional[str] = ..., cpu_isa: _Optional[str] = ..., forward_cost: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., calibrated: _Optional[_Iterable[_Union[CalibratedPair, _Mapping]]] = ..., drafters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CostPoint(_message.Message):
     __slots__ = ("tokens", "ms")

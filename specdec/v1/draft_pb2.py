@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"Z\n\x19\x43reateDraftSessionRequest\x12,\n\x08sampling\x18\x01 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\"A\n\x1a\x43reateDraftSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\"y\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x16\n\x0emin_confidence\x18\x05 \x01(\x02\"\xb5\x01\n\x0fProposeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12-\n\x05probs\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x15\n\rcommitted_len\x18\x03 \x01(\r\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.specdec.v1.Timings\x12\x12\n\nconfidence\x18\x05 \x03(\x02\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t2\xb4\x02\n\x05\x44raft\x12\x43\n\x0cGetModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12^\n\rCreateSession\x12%.specdec.v1.CreateDraftSessionRequest\x1a&.specdec.v1.CreateDraftSessionResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"n\n\x19\x43reateDraftSessionRequest\x12,\n\x08sampling\x18\x01 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x12\n\nrng_offset\x18\x03 \x01(\x04\"A\n\x1a\x43reateDraftSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\"y\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x16\n\x0emin_confidence\x18\x05 \x01(\x02\"\xb5\x01\n\x0fProposeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12-\n\x05probs\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x15\n\rcommitted_len\x18\x03 \x01(\r\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.specdec.v1.Timings\x12\x12\n\nconfidence\x18\x05 \x03(\x02\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t2\xb4\x02\n\x05\x44raft\x12\x43\n\x0cGetModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12^\n\rCreateSession\x12%.specdec.v1.CreateDraftSessionRequest\x1a&.specdec.v1.CreateDraftSessionResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.draft_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CREATEDRAFTSESSIONREQUEST']._serialized_start=63
-  _globals['_CREATEDRAFTSESSIONREQUEST']._serialized_end=153
-  _globals['_CREATEDRAFTSESSIONRESPONSE']._serialized_start=155
-  _globals['_CREATEDRAFTSESSIONRESPONSE']._serialized_end=220
-  _globals['_PROPOSEREQUEST']._serialized_start=222
-  _globals['_PROPOSEREQUEST']._serialized_end=343
-  _globals['_PROPOSERESPONSE']._serialized_start=346
-  _globals['_PROPOSERESPONSE']._serialized_end=527
-  _globals['_DRAFT']._serialized_start=530
-  _globals['_DRAFT']._serialized_end=838
+  _globals['_CREATEDRAFTSESSIONREQUEST']._serialized_end=173
+  _globals['_CREATEDRAFTSESSIONRESPONSE']._serialized_start=175
+  _globals['_CREATEDRAFTSESSIONRESPONSE']._serialized_end=240
+  _globals['_PROPOSEREQUEST']._serialized_start=242
+  _globals['_PROPOSEREQUEST']._serialized_end=363
+  _globals['_PROPOSERESPONSE']._serialized_start=366
+  _globals['_PROPOSERESPONSE']._serialized_end=547
+  _globals['_DRAFT']._serialized_start=550
+  _globals['_DRAFT']._serialized_end=858
 # @@protoc_insertion_point(module_scope)

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CreateDraftSessionRequest(_message.Message):
-    __slots__ = ("sampling", "drafter")
+    __slots__ = ("sampling", "drafter", "rng_offset")
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    RNG_OFFSET_FIELD_NUMBER: _ClassVar[int]
     sampling: _common_pb2.SamplingParams
     drafter: str
-    def __init__(self, sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ...) -> None: ...
+    rng_offset: int
+    def __init__(self, sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ..., rng_offset: _Optional[int] = ...) -> None: ...
 
 class CreateDraftSessionResponse(_message.Message):
     __slots__ = ("session_id", "drafter")

@@ -22,6 +22,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_CONTEXT_LENGTH: _ClassVar[FinishReason]
 SPECULATION_MODE_UNSPECIFIED: SpeculationMode
 SPECULATION_MODE_AUTO: SpeculationMode
 SPECULATION_MODE_OFF: SpeculationMode
@@ -31,6 +32,7 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP: FinishReason
+FINISH_REASON_CONTEXT_LENGTH: FinishReason
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
