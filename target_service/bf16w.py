@@ -155,6 +155,25 @@ int specdec_bf16w_linear(const float* x, int64_t M, int64_t K, const uint16_t* w
         const float* w3 = wf + 3 * K;
         for (int64_t m = 0; m < M; m += 2) {
             const int64_t mb = (M - m) < 2 ? (M - m) : 2;
+            if (mb == 1) {
+                /* the last row alone (odd M): the same operations as one
+                   row of the pair below, without computing a duplicate */
+                const float* xa = x + m * K;
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+                for (int64_t k = 0; k < K8; k += 8) {
+                    const __m256 va = _mm256_loadu_ps(xa + k);
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), va, a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), va, a1);
+                    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), va, a2);
+                    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), va, a3);
+                }
+                float ra[4] = {hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)};
+                for (int64_t k = K8; k < K; k++) {
+                    ra[0] += w0[k] * xa[k]; ra[1] += w1[k] * xa[k]; ra[2] += w2[k] * xa[k]; ra[3] += w3[k] * xa[k];
+                }
+                for (int64_t j = 0; j < nb; j++) y[m * N + n + j] = ra[j] + (bias ? bias[n + j] : 0.0f);
+                continue;
+            }
             const float* xa = x + m * K;
             const float* xb = x + (m + (mb > 1 ? 1 : 0)) * K;
             __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
