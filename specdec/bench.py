@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --launch: skip target-only runs under the target's other calibrated (dtype, backend) "
                         "pairs (by default each is launched target-only, and every speedup is also reported "
                         "against the fastest target-only configuration on this machine)")
+    p.add_argument("--baseline-pairs", default="near",
+                   help="with --launch: which other calibrated dtype/backend pairs run target-only: 'near' (those "
+                        "whose measured 1-token step is within 1.25x of the fastest: the others cannot be the "
+                        "fastest target-only configuration), 'all', or a comma-separated list")
     p.add_argument("--target-model", default=None, help="with --launch")
     p.add_argument("--draft-model", default=None, help="with --launch")
     p.add_argument("--prompts", type=Path, default=REPO_PROMPTS)
@@ -555,6 +559,24 @@ def off_baselines(a: argparse.Namespace, prompts: list[dict[str, Any]], pairs: S
     return out
 
 
+def baseline_pairs(numerics: dict[str, Any], which: str) -> tuple[list[str], dict[str, str]]:
+    """The calibrated pairs (other than the stack's own) to run target-only,
+    and why the others were skipped."""
+    chosen = f"{numerics['dtype']}/{numerics['backend']}"
+    cal = {k: v for k, v in numerics["calibrated"].items()}
+    others = [k for k in cal if k != chosen]
+    if which == "all":
+        return others, {}
+    if which != "near":
+        wanted = [k.strip() for k in which.split(",") if k.strip()]
+        return [k for k in wanted if k != chosen], {k: "not asked for" for k in others if k not in wanted}
+    step = {k: float(v["forward_cost_ms"].get(1, v["forward_cost_ms"].get("1", 0.0)) or 0.0) for k, v in cal.items()}
+    fastest = min((s for s in step.values() if s > 0), default=0.0)
+    keep = [k for k in others if step[k] <= 1.25 * fastest or fastest <= 0]
+    return keep, {k: f"its 1-token step ({step[k]:.0f} ms) is > 1.25x the fastest ({fastest:.0f} ms)"
+                  for k in others if k not in keep}
+
+
 def add_fastest_baseline(res: dict[str, Any], baselines: dict[str, dict[str, float]]) -> None:
     """Every row's speedup against the fastest target-only run of its prompt
     on this machine: this stack's OFF or OFF under another (dtype, backend)."""
@@ -575,7 +597,8 @@ def main(a: argparse.Namespace) -> int:
             numerics = target_numerics(addrs["target"])
             res = run_bench(a, addrs["orchestrator"], addrs["target"])
         res["numerics"] = numerics
-        others = [k for k in numerics["calibrated"] if k != f"{numerics['dtype']}/{numerics['backend']}"]
+        others, skipped = baseline_pairs(numerics, a.baseline_pairs)
+        res["baselines_skipped"] = skipped
         if others and not a.no_fastest_baseline:
             prompts = [json.loads(line) for line in a.prompts.read_text().splitlines() if line.strip()]
             prompts = [p for p in prompts if not a.only or p["id"] in a.only]

@@ -76,3 +76,13 @@ def test_speedup_against_the_fastest_target_only_configuration() -> None:
         r.update(drafter="d", mode="auto", gamma=0)
     md = "\n".join(bench.fastest_table(res["rows"]))
     assert "| a | d | auto | adaptive | 8.00 | 2.50 | bfloat16/eager | 4.00 | 2.00× |" in md
+
+
+def test_target_only_baselines_skip_pairs_that_cannot_be_the_fastest() -> None:
+    numerics = {"dtype": "bfloat16", "backend": "bf16w", "calibrated": {
+        "bfloat16/bf16w": {"forward_cost_ms": {1: 281.0}}, "bfloat16/eager": {"forward_cost_ms": {1: 279.0}},
+        "float32/packed": {"forward_cost_ms": {1: 528.0}}, "float32/eager": {"forward_cost_ms": {1: 602.0}}}}
+    keep, skipped = bench.baseline_pairs(numerics, "near")
+    assert keep == ["bfloat16/eager"] and sorted(skipped) == ["float32/eager", "float32/packed"]
+    assert bench.baseline_pairs(numerics, "all")[0] == ["bfloat16/eager", "float32/packed", "float32/eager"]
+    assert bench.baseline_pairs(numerics, "float32/eager")[0] == ["float32/eager"]
