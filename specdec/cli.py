@@ -406,12 +406,14 @@ def cmd_up(a: argparse.Namespace) -> int:
             ensure_onnx(resolve(model, Path(cache)).hf_dir, Path(cache), precision,
                         resolve_execution(a.draft_execution))
     try:
-        for name, cmd in cmds.items():
-            procs[name] = subprocess.Popen(cmd, start_new_session=True)
         ports = {"target": tport, "draft": dport, "orchestrator": oport}
-        for name in ("target", "draft", "orchestrator"):
-            if name not in procs:
+        # One at a time: the draft measures its cost per token at warm-up and
+        # the target calibrates its numerics (docs/architecture.md); on a
+        # shared CPU each must have the cores to itself to measure anything.
+        for name in ("draft", "target", "orchestrator"):
+            if name not in cmds:
                 continue
+            procs[name] = subprocess.Popen(cmds[name], start_new_session=True)
             ok = _wait_healthy(f"127.0.0.1:{ports[name]}", a.ready_timeout, list(procs.values()), tls)
             if not ok:
                 print(f"specdec: {name} did not become healthy", file=sys.stderr, flush=True)

@@ -65,155 +65,73 @@ static inline float bf16_to_f32(uint16_t h) {
     return v.f;
 }
 
+/* One block: NR weight rows (rows[]) against MB activation rows (xs[]),
+   NR x MB accumulators. Every output y[m][n] is: 8-lane FMA over
+   k = 0, 8, ..., K8-8 in order; hsum256; the scalar tail k = K8..K-1 in
+   order; + bias. The same sequence for every block shape and thread, so an
+   output never depends on the rows beside it. */
+#define BLOCK(NR, MB)                                                                      \
+static void block_##NR##_##MB(const float* const* xs, int64_t K, const uint16_t* const* rows, \
+                              float out[][4]) {                                            \
+    const int64_t K8 = K - (K % 8);                                                        \
+    __m256 acc[NR][MB];                                                                    \
+    for (int r = 0; r < NR; r++)                                                           \
+        for (int i = 0; i < MB; i++) acc[r][i] = _mm256_setzero_ps();                      \
+    for (int64_t k = 0; k < K8; k += 8) {                                                  \
+        __m256 wv[NR];                                                                     \
+        for (int r = 0; r < NR; r++) wv[r] = load_bf16x8(rows[r] + k);                     \
+        for (int i = 0; i < MB; i++) {                                                     \
+            const __m256 v = _mm256_loadu_ps(xs[i] + k);                                   \
+            for (int r = 0; r < NR; r++) acc[r][i] = _mm256_fmadd_ps(wv[r], v, acc[r][i]); \
+        }                                                                                  \
+    }                                                                                      \
+    for (int r = 0; r < NR; r++)                                                           \
+        for (int i = 0; i < MB; i++) {                                                     \
+            float s = hsum256(acc[r][i]);                                                  \
+            for (int64_t k = K8; k < K; k++) s += bf16_to_f32(rows[r][k]) * xs[i][k];     \
+            out[r][i] = s;                                                                 \
+        }                                                                                  \
+}
+BLOCK(4, 1)
+BLOCK(4, 2)
+BLOCK(2, 3)
+BLOCK(2, 4)
+
 /* y[m*N + n] = sum_k x[m*K + k] * w[n*K + k] (+ bias[n]) for m in [0, M), n in [n0, n1).
-   One output is always computed by the same instruction sequence: 8-lane
-   FMA over the first K8 = K - K % 8 columns, hsum256, then the scalar tail,
-   then the bias. Rows of W are widened into a float32 scratch four at a time
-   and reused by every row of x. */
+   Weight rows go four at a time (outer loop, so they stay in cache while
+   every group of up to four activation rows uses them). */
 int specdec_bf16w_linear(const float* x, int64_t M, int64_t K, const uint16_t* w, const float* bias,
                          float* y, int64_t N, int64_t n0, int64_t n1) {
-    const int64_t K8 = K - (K % 8);
-    if (M == 1) {
-        /* one row of x: widen W in registers (no scratch). Same operations,
-           in the same order, as the blocked path below, so the same bits. */
-        for (int64_t n = n0; n < n1; n += 4) {
-            const int64_t nb = (n1 - n) < 4 ? (n1 - n) : 4;
-            const uint16_t* r0 = w + n * K;
-            const uint16_t* r1 = w + (n + (nb > 1 ? 1 : 0)) * K;
-            const uint16_t* r2 = w + (n + (nb > 2 ? 2 : 0)) * K;
-            const uint16_t* r3 = w + (n + (nb > 3 ? 3 : 0)) * K;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-            for (int64_t k = 0; k < K8; k += 8) {
-                const __m256 va = _mm256_loadu_ps(x + k);
-                a0 = _mm256_fmadd_ps(load_bf16x8(r0 + k), va, a0);
-                a1 = _mm256_fmadd_ps(load_bf16x8(r1 + k), va, a1);
-                a2 = _mm256_fmadd_ps(load_bf16x8(r2 + k), va, a2);
-                a3 = _mm256_fmadd_ps(load_bf16x8(r3 + k), va, a3);
-            }
-            float ra[4] = {hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)};
-            for (int64_t k = K8; k < K; k++) {
-                ra[0] += bf16_to_f32(r0[k]) * x[k]; ra[1] += bf16_to_f32(r1[k]) * x[k];
-                ra[2] += bf16_to_f32(r2[k]) * x[k]; ra[3] += bf16_to_f32(r3[k]) * x[k];
-            }
-            for (int64_t j = 0; j < nb; j++) y[n + j] = ra[j] + (bias ? bias[n + j] : 0.0f);
-        }
-        return 0;
-    }
-    if (M == 2) {
-        /* two rows of x (a 1-token verify): in-register widening, as above */
-        const float* xa = x;
-        const float* xb = x + K;
-        for (int64_t n = n0; n < n1; n += 4) {
-            const int64_t nb = (n1 - n) < 4 ? (n1 - n) : 4;
-            const uint16_t* r0 = w + n * K;
-            const uint16_t* r1 = w + (n + (nb > 1 ? 1 : 0)) * K;
-            const uint16_t* r2 = w + (n + (nb > 2 ? 2 : 0)) * K;
-            const uint16_t* r3 = w + (n + (nb > 3 ? 3 : 0)) * K;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-            __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
-            for (int64_t k = 0; k < K8; k += 8) {
-                const __m256 va = _mm256_loadu_ps(xa + k);
-                const __m256 vb = _mm256_loadu_ps(xb + k);
-                __m256 v = load_bf16x8(r0 + k);
-                a0 = _mm256_fmadd_ps(v, va, a0); b0 = _mm256_fmadd_ps(v, vb, b0);
-                v = load_bf16x8(r1 + k);
-                a1 = _mm256_fmadd_ps(v, va, a1); b1 = _mm256_fmadd_ps(v, vb, b1);
-                v = load_bf16x8(r2 + k);
-                a2 = _mm256_fmadd_ps(v, va, a2); b2 = _mm256_fmadd_ps(v, vb, b2);
-                v = load_bf16x8(r3 + k);
-                a3 = _mm256_fmadd_ps(v, va, a3); b3 = _mm256_fmadd_ps(v, vb, b3);
-            }
-            float ra[4] = {hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)};
-            float rb[4] = {hsum256(b0), hsum256(b1), hsum256(b2), hsum256(b3)};
-            for (int64_t k = K8; k < K; k++) {
-                const float w0 = bf16_to_f32(r0[k]), w1 = bf16_to_f32(r1[k]), w2 = bf16_to_f32(r2[k]), w3 = bf16_to_f32(r3[k]);
-                ra[0] += w0 * xa[k]; ra[1] += w1 * xa[k]; ra[2] += w2 * xa[k]; ra[3] += w3 * xa[k];
-                rb[0] += w0 * xb[k]; rb[1] += w1 * xb[k]; rb[2] += w2 * xb[k]; rb[3] += w3 * xb[k];
-            }
-            for (int64_t j = 0; j < nb; j++) {
-                const float bj = bias ? bias[n + j] : 0.0f;
-                y[n + j] = ra[j] + bj;
-                y[N + n + j] = rb[j] + bj;
-            }
-        }
-        return 0;
-    }
-    float* wf = (float*)aligned_alloc(32, sizeof(float) * 4 * ((K + 7) / 8) * 8);
-    if (!wf) return -1;
+    float out[4][4];
+    const float* xs[4];
+    const uint16_t* rows[4];
     for (int64_t n = n0; n < n1; n += 4) {
         const int64_t nb = (n1 - n) < 4 ? (n1 - n) : 4;
-        for (int64_t j = 0; j < 4; j++) {
-            const uint16_t* src = w + (n + (j < nb ? j : 0)) * K;
-            float* dst = wf + j * K;
-            int64_t k = 0;
-            for (; k < K8; k += 8) _mm256_storeu_ps(dst + k, load_bf16x8(src + k));
-            for (; k < K; k++) dst[k] = bf16_to_f32(src[k]);
-        }
-        const float* w0 = wf;
-        const float* w1 = wf + K;
-        const float* w2 = wf + 2 * K;
-        const float* w3 = wf + 3 * K;
-        for (int64_t m = 0; m < M; m += 2) {
-            const int64_t mb = (M - m) < 2 ? (M - m) : 2;
+        for (int r = 0; r < 4; r++) rows[r] = w + (n + (r < nb ? r : 0)) * K;
+        for (int64_t m = 0; m < M; m += 4) {
+            const int64_t mb = (M - m) < 4 ? (M - m) : 4;
+            for (int i = 0; i < 4; i++) xs[i] = x + (m + (i < mb ? i : 0)) * K;
             if (mb == 1) {
-                /* the last row alone (odd M): the same operations as one
-                   row of the pair below, without computing a duplicate */
-                const float* xa = x + m * K;
-                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-                for (int64_t k = 0; k < K8; k += 8) {
-                    const __m256 va = _mm256_loadu_ps(xa + k);
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), va, a0);
-                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), va, a1);
-                    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), va, a2);
-                    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), va, a3);
+                block_4_1(xs, K, rows, out);
+            } else if (mb == 2) {
+                block_4_2(xs, K, rows, out);
+            } else {
+                float half[4][4];
+                if (mb == 3) {
+                    block_2_3(xs, K, rows, out);
+                    block_2_3(xs, K, rows + 2, half);
+                } else {
+                    block_2_4(xs, K, rows, out);
+                    block_2_4(xs, K, rows + 2, half);
                 }
-                float ra[4] = {hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)};
-                for (int64_t k = K8; k < K; k++) {
-                    ra[0] += w0[k] * xa[k]; ra[1] += w1[k] * xa[k]; ra[2] += w2[k] * xa[k]; ra[3] += w3[k] * xa[k];
-                }
-                for (int64_t j = 0; j < nb; j++) y[m * N + n + j] = ra[j] + (bias ? bias[n + j] : 0.0f);
-                continue;
+                for (int i = 0; i < 4; i++) { out[2][i] = half[0][i]; out[3][i] = half[1][i]; }
             }
-            const float* xa = x + m * K;
-            const float* xb = x + (m + (mb > 1 ? 1 : 0)) * K;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-            __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
-            /* while the first pair of rows computes, fetch the next block's
-               weights, so reading W overlaps the arithmetic */
-            const int prefetch = (m == 0) && (n + 4 < n1);
-            for (int64_t k = 0; k < K8; k += 8) {
-                if (prefetch && (k & 31) == 0) {
-                    const uint16_t* nx = w + (n + 4) * K + k;
-                    _mm_prefetch((const char*)nx, _MM_HINT_T0);
-                    _mm_prefetch((const char*)(nx + K), _MM_HINT_T0);
-                    _mm_prefetch((const char*)(nx + 2 * K), _MM_HINT_T0);
-                    _mm_prefetch((const char*)(nx + 3 * K), _MM_HINT_T0);
-                }
-                const __m256 va = _mm256_loadu_ps(xa + k);
-                const __m256 vb = _mm256_loadu_ps(xb + k);
-                const __m256 v0 = _mm256_loadu_ps(w0 + k);
-                const __m256 v1 = _mm256_loadu_ps(w1 + k);
-                const __m256 v2 = _mm256_loadu_ps(w2 + k);
-                const __m256 v3 = _mm256_loadu_ps(w3 + k);
-                a0 = _mm256_fmadd_ps(v0, va, a0); b0 = _mm256_fmadd_ps(v0, vb, b0);
-                a1 = _mm256_fmadd_ps(v1, va, a1); b1 = _mm256_fmadd_ps(v1, vb, b1);
-                a2 = _mm256_fmadd_ps(v2, va, a2); b2 = _mm256_fmadd_ps(v2, vb, b2);
-                a3 = _mm256_fmadd_ps(v3, va, a3); b3 = _mm256_fmadd_ps(v3, vb, b3);
-            }
-            float ra[4] = {hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)};
-            float rb[4] = {hsum256(b0), hsum256(b1), hsum256(b2), hsum256(b3)};
-            for (int64_t k = K8; k < K; k++) {
-                ra[0] += w0[k] * xa[k]; ra[1] += w1[k] * xa[k]; ra[2] += w2[k] * xa[k]; ra[3] += w3[k] * xa[k];
-                rb[0] += w0[k] * xb[k]; rb[1] += w1[k] * xb[k]; rb[2] += w2[k] * xb[k]; rb[3] += w3[k] * xb[k];
-            }
-            for (int64_t j = 0; j < nb; j++) {
-                const float bj = bias ? bias[n + j] : 0.0f;
-                y[m * N + n + j] = ra[j] + bj;
-                if (mb > 1) y[(m + 1) * N + n + j] = rb[j] + bj;
+            for (int64_t r = 0; r < nb; r++) {
+                const float b = bias ? bias[n + r] : 0.0f;
+                for (int64_t i = 0; i < mb; i++) y[(m + i) * N + n + r] = out[r][i] + b;
             }
         }
     }
-    free(wf);
     return 0;
 }
 """

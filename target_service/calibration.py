@@ -290,6 +290,12 @@ def resolve_pairs(dtype: str, backend: str, device: "torch.device") -> tuple[lis
     return pairs, ("calibration" if len(pairs) > 1 else ("device" if dtype == backend == "auto" else "flags"))
 
 
+def _kernel_digest() -> str:
+    from target_service.bf16w import C_SOURCE
+
+    return hashlib.sha256(C_SOURCE.encode()).hexdigest()[:12]
+
+
 def machine_identity(device: "torch.device") -> dict[str, object]:
     """What makes a measured curve valid: CPU (or GPU), ISA limits in force,
     threads and torch."""
@@ -308,6 +314,7 @@ def machine_identity(device: "torch.device") -> dict[str, object]:
         # runtime ISA caps (the AVX2 emulation of docs/benchmarks.md)
         "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
         "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
+        "kernels": _kernel_digest(),  # a changed bf16w kernel measures again
     }
     if device.type == "cuda":
         ident["gpu"] = torch.cuda.get_device_name(device)
