@@ -1,0 +1,35 @@
+"""The offline GPU check's scripts run (on CPU, at toy sizes): CI cannot
+reach a GPU, but it can make sure the script a lent device machine runs is
+not broken (scripts/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.stack import REPO
+
+
+def test_gpu_cost_script_measures_real_architectures_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "gpu"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_costs.py"), "--device", "cpu", "--layers", "1",
+                    "--models", "qwen2.5-coder-0.5b", "--ks", "1,2,4", "--batches", "1,2", "--batch-ks", "1",
+                    "--kv", "8", "--reps", "1", "--dtype", "float32", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300, cwd=REPO)
+    res = json.loads((out / "gpu_costs.json").read_text())
+    row = res["models"]["qwen2.5-coder-0.5b"]
+    assert sorted(int(k) for k in row["eager_ms"]) == [1, 2, 4] and all(v > 0 for v in row["eager_ms"].values())
+    assert set(row["batched_eager_ms"]["1"]) == {"1", "2"}
+    assert row["params_m"] > 100  # the real 151,936 x 896 embedding is there: real architecture, one layer
+    assert (out / "gpu_costs.md").read_text().startswith("Device cpu")
+
+
+def test_round_overhead_script_reports_per_round_overhead(tmp_path: Path) -> None:
+    out = tmp_path / "overhead"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "round_overhead.py"), "--device", "cpu", "--requests", "3",
+                    "--max-new-tokens", "12", "--out", str(out)], check=True, capture_output=True, timeout=300, cwd=REPO)
+    res = json.loads((out / "round_overhead.json").read_text())
+    for mode in ("off", "fixed"):
+        assert res[mode]["rounds"] > 0 and res[mode]["overhead_ms_per_round_p50"] >= 0
