@@ -142,23 +142,11 @@ def to_markdown(res: dict) -> str:  # type: ignore[type-arg]
 
 
 def plot(res: dict, path: Path) -> None:  # type: ignore[type-arg]
-    from specdec.bench import pyplot
+    from specdec.bench import plot_curves
 
-    plt = pyplot()
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, r in res["pairs"].items():
-        t = {int(k): v for k, v in r["t_ms"].items()}
-        ax.plot(list(t), list(t.values()), marker="o", label=key + (" (auto)" if key == res["auto_choice"] else ""))
-    ax.set_xlabel("tokens in one forward pass (k)")
-    ax.set_ylabel("ms")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"{res['model']} on {res['machine']['isa']}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    series = {key + (" (auto)" if key == res["auto_choice"] else ""): {int(k): v for k, v in r["t_ms"].items()}
+              for key, r in res["pairs"].items()}
+    plot_curves(series, path, f"{res['model']} on {res['machine']['isa']}")
 
 
 if __name__ == "__main__":

@@ -195,25 +195,16 @@ def to_markdown(res: dict) -> str:  # type: ignore[type-arg]
 
 
 def plot(res: dict, path: Path) -> None:  # type: ignore[type-arg]
-    from specdec.bench import pyplot
+    from specdec.bench import plot_curves
 
-    plt = pyplot()
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
+    series, styles = {}, {}
     for name, r in res["models"].items():
-        for path, style in (("eager_ms", "-"), ("cuda_graph_ms", "--")):
-            if path in r:
-                cur = {int(k): v for k, v in r[path].items()}
-                ax.plot(list(cur), list(cur.values()), style, marker="o", label=f"{name} {path[:-3]}")
-    ax.set_xlabel("tokens in one forward pass (k)")
-    ax.set_ylabel("ms")
-    ax.set_ylim(bottom=0)
-    ax.set_title(str(res["device"]), fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        for key, style in (("eager_ms", "-"), ("cuda_graph_ms", "--")):
+            if key in r:
+                label = f"{name} {key[:-3]}"
+                series[label] = {int(k): v for k, v in r[key].items()}
+                styles[label] = style
+    plot_curves(series, path, str(res["device"]), styles)
 
 
 if __name__ == "__main__":

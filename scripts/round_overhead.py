@@ -42,7 +42,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp())
     target = build_tiny_model(root / "target", chars="abcdefghijklmnopqrstuvwxyz .,:!?\n", seed=1)
     stack = start_stack(target, None, root / "cache", drafters=[DrafterSpec(name="lookup", kind="prompt-lookup")],
-                        target_overrides={"device": a.device, "dtype": "float32", "backend": "eager"})
+                        target_overrides={"device": a.device, "backend": "eager"})  # float32 (the stack's dtype)
     res: dict[str, object] = {"device": a.device, "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M")}
     try:
         prompt = "the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. " * 3

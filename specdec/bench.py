@@ -389,6 +389,27 @@ def pyplot() -> Any:
     return plt
 
 
+def plot_curves(series: dict[str, dict[int, float]], path: Path, title: str, styles: dict[str, str] | None = None) -> bool:
+    """ms per forward pass against k, one line per series; False without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, curve in series.items():
+        ks = sorted(int(k) for k in curve)
+        ax.plot(ks, [curve[k] if k in curve else curve[str(k)] for k in ks],  # type: ignore[index]
+                (styles or {}).get(label, "-"), marker="o", label=label)
+    ax.set_xlabel("tokens in one forward pass (k)")
+    ax.set_ylabel("ms")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def plots(res: dict[str, Any], out: Path) -> list[Path]:
     plt = pyplot()
     if plt is None:

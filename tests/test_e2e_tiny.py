@@ -92,7 +92,7 @@ def test_metrics_count_a_known_generation(stack: Stack) -> None:
     assert per_pos == s.accepted_tokens
     assert delta("specdec_rounds_total") == s.rounds
     assert delta("specdec_generated_tokens_total") == 20
-    assert delta("specdec_requests_total", finish_reason="FINISH_REASON_LENGTH") == 1
+    assert delta("specdec_requests_total", finish_reason="FINISH_REASON_LENGTH", code="OK") == 1
     assert delta("specdec_round_seconds_count") == s.rounds
     assert after[("specdec_active_streams", ())] == 0
     assert delta("specdec_spec_decode_num_draft_tokens_stopped_total", drafter=drafter) == 0  # no early stop asked
