@@ -15,8 +15,14 @@ converted modules, so a session computes all its logits in one precision.
   Float32 on any x86 CPU with oneDNN; bfloat16 only where oneDNN has a native
   BF16 path (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX-512 BF16,
   AMX or AVX-NE-CONVERT).
+- ``bf16w`` (pair ``bfloat16/bf16w``): every ``nn.Linear`` weight stored as
+  bfloat16 and applied by a small AVX2+FMA kernel that widens it to float32 in
+  registers (``target_service/bf16w.py``); everything else, and every
+  activation, is float32. Half the bytes of float32 and a nearly flat cost
+  in k on CPUs without native BF16. Its numerics are its own: bf16-rounded
+  weights (as bf16 eager rounds them) with float32 activations.
 
-``cpu_isa()`` names what the CPU offers; ``eligible_pairs()`` lists the
+``cpu_info()`` names what the CPU offers; ``eligible_pairs()`` lists the
 (dtype, backend) pairs worth calibrating on a device.
 """
 
@@ -124,9 +130,10 @@ def bf16w_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def load_dtype(dtype: torch.dtype, backend: str) -> torch.dtype:
-    """The dtype to load the checkpoint in before ``apply_backend``: bf16w
-    keeps activations (and so the loaded model) in float32."""
-    return torch.float32 if backend == "bf16w" else dtype
+    """The dtype to load the checkpoint in before ``apply_backend`` (bf16w
+    loads bf16, half the memory of float32, and widens what is not a linear
+    weight afterwards)."""
+    return dtype
 
 
 class PackedLinear(torch.nn.Module):
@@ -229,5 +236,17 @@ def apply_backend(model: torch.nn.Module, backend: str, dtype: torch.dtype, devi
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attr, bf16w.Bf16WeightLinear(mod))
+        # everything else (embeddings, norms, rotary buffers) computes in
+        # float32: activations stay float32 end to end; the values are the
+        # bf16-rounded weights, widened exactly
+        for mod in model.modules():
+            if isinstance(mod, bf16w.Bf16WeightLinear):
+                continue
+            for p in mod.parameters(recurse=False):
+                if p.is_floating_point() and p.dtype != torch.float32:
+                    p.data = p.data.float()
+            for key, buf in list(mod._buffers.items()):
+                if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+                    mod._buffers[key] = buf.float()
         return model
     raise ValueError(f"unknown target backend {backend!r}; choose one of {', '.join(BACKENDS)} or auto")

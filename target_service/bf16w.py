@@ -15,8 +15,9 @@ whatever the number of rows M, the batch, or the thread that computes it
 (8-lane FMA over K, a fixed horizontal sum, a scalar tail, then the bias), so
 a 1-token step, a k-token verify and a batched verify agree bit for bit on
 the linear layers. The model's numerics are "bfloat16 weights, float32
-activations": the weights are rounded to bf16 once at load time, as the bf16
-eager path rounds them, while activations keep float32.
+activations": the checkpoint is loaded in bf16 (every weight rounded once,
+as the bf16 eager path rounds them) and everything but the linear weights is
+widened to float32 (``backends.apply_backend``).
 
 The C source below is compiled once per machine with the system C compiler
 (``cc``/``gcc``, ``-O3 -mavx2 -mfma``) into a cache directory and loaded with

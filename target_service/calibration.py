@@ -290,6 +290,35 @@ def resolve_pairs(dtype: str, backend: str, device: "torch.device") -> tuple[lis
     return pairs, ("calibration" if len(pairs) > 1 else ("device" if dtype == backend == "auto" else "flags"))
 
 
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def checkpoint_bytes(hf_dir: Path) -> int:
+    return sum(f.stat().st_size for f in Path(hf_dir).glob("*.safetensors"))
+
+
+def available_memory_bytes() -> int:
+    """What this process may still allocate: the cgroup's limit minus its use
+    (containers), else MemAvailable; 0 when unknown."""
+    out = 0
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+            out = max(0, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                out = min(out, avail) if out else avail
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
 def _kernel_digest() -> str:
     from target_service.bf16w import C_SOURCE
 
@@ -353,6 +382,17 @@ def calibrate(
              "ks": list(CALIBRATION_KS), "kv": CALIBRATION_KV},
         )
     kept: dict[str, object] = {}
+
+    available = available_memory_bytes()
+    checkpoint = checkpoint_bytes(hf_dir)  # float32 safetensors on disk
+    fitting = [p for p in pairs if not available or checkpoint * _BYTES[p[0]] / 4 * 1.15 < available]
+    if len(fitting) < len(pairs):
+        log(logger, logging.WARNING, "pairs skipped: the model would not fit this process's memory",
+            skipped=[pair_key(p) for p in pairs if p not in fitting], available_gb=round(available / 2**30, 1))
+        if not fitting:
+            raise ValueError(f"no dtype fits the {available / 2**30:.1f} GiB this process may use "
+                             f"(the float32 checkpoint is {checkpoint / 2**30:.1f} GiB)")
+        pairs = fitting
 
     def measure_pair(pair: Pair) -> Curve:
         kept.clear()

@@ -269,10 +269,9 @@ def test_bf16w_model_matches_float32_with_bf16_rounded_weights(tiny_models) -> N
     assert torch.get_num_threads() == 1  # torch ops single-threaded under bf16w (the kernel has the cores)
     ref = load_model(tiny_models.target, torch.float32, "eager", cpu)
     assert torch.get_num_threads() == threads  # other backends give torch the cores back
-    with torch.no_grad():
-        for mod in ref.modules():
-            if type(mod) is torch.nn.Linear:
-                mod.weight.copy_(mod.weight.to(torch.bfloat16).float())
+    with torch.no_grad():  # every weight bf16-rounded, computed in float32
+        for prm in ref.parameters():
+            prm.copy_(prm.to(torch.bfloat16).float())
     ids = torch.randint(1, 34, (1, 23), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         a = fast(input_ids=ids, use_cache=False).logits.float()
@@ -285,3 +284,17 @@ def test_bf16w_refuses_what_it_cannot_run() -> None:
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="bf16w"):
         cal.resolve_pairs("float32", "bf16w", cpu)
+
+
+def test_calibration_skips_pairs_that_would_not_fit_in_memory(tiny_models, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A container whose memory limit holds the bf16 model but not the
+    float32 one calibrates (and runs) only bf16 pairs instead of being
+    killed for memory; nothing fits: a clear error."""
+    size = cal.checkpoint_bytes(tiny_models.target)  # float32 on disk
+    assert size > 0
+    monkeypatch.setattr(cal, "available_memory_bytes", lambda: int(size * 0.8))
+    res, _ = cal.calibrate(tiny_models.target, "auto", "auto", torch.device("cpu"), tmp_path, "tiny")
+    assert res.dtype == "bfloat16" and all(k.startswith("bfloat16/") for k in res.curves)
+    monkeypatch.setattr(cal, "available_memory_bytes", lambda: int(size * 0.1))
+    with pytest.raises(ValueError, match="no dtype fits"):
+        cal.calibrate(tiny_models.target, "auto", "auto", torch.device("cpu"), tmp_path, "tiny")
