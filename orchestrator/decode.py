@@ -267,11 +267,16 @@ class Decoder:
                 # cache is rolled back to the committed prefix on the next call).
                 log(logger, logging.WARNING, "draft failed; round runs target-only", error=str(e))
             break
+        self._count_fallback()
+        return None
+
+    def _count_fallback(self) -> None:
+        """A round falls back to target-only because of the draft: count it
+        and leave the draft alone for ``draft_retry_after_rounds`` rounds."""
         self.stats.draft_failures += 1
         if self.p.sink is not None:
             self.p.sink.on_fallback()
         self.draft_down_until_round = self.stats.rounds + self.p.draft_retry_after_rounds
-        return None
 
     # ------------------------------------------------------------------ loop
     async def run(self) -> AsyncIterator[Step]:
@@ -401,10 +406,7 @@ class Decoder:
         (and release) its session, back its replica off, and run target-only
         rounds for ``draft_retry_after_rounds`` rounds."""
         log(logger, logging.WARNING, "draft fault; round redone target-only", error=error)
-        self.stats.draft_failures += 1
-        if self.p.sink is not None:
-            self.p.sink.on_fallback()
-        self.draft_down_until_round = self.stats.rounds + self.p.draft_retry_after_rounds
+        self._count_fallback()
         sid, self.draft_sid = self.draft_sid, None
         if sid is not None and self.draft is not None:
             fault = getattr(self.draft, "fault", None)

@@ -392,8 +392,7 @@ class ReplicaPool(Generic[C]):
 
     async def info(self, timeout: float | None = None, drafter: str = "") -> Any:
         _, reply = await self.first_success(
-            self.draft_order(), lambda c: c.info(timeout=timeout, drafter=drafter) if drafter else c.info(timeout=timeout),
-            back_off=False,
+            self.draft_order(), lambda c: c.info(timeout=timeout, drafter=drafter), back_off=False
         )
         return reply
 

@@ -39,7 +39,7 @@ BACKENDS = ("eager", "packed", "bf16w")
 DTYPES = ("bfloat16", "float32", "float16")
 
 # cpu flags reported (lscpu / /proc/cpuinfo names)
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "avx_ne_convert", "avx_vnni")
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "avx_ne_convert", "avx_vnni")
 
 
 @dataclass(frozen=True)
@@ -163,18 +163,15 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed=onednn"
 
 
-def pack_linears(model: torch.nn.Module, on_progress: Callable[[int, int], None] | None = None) -> int:
-    """Replaces every ``nn.Linear`` in ``model`` by a :class:`PackedLinear`,
-    one at a time (the plain weight is dropped as soon as its packed copy
-    exists, so peak memory grows by one layer, not one model). Returns how
-    many were packed."""
+def replace_linears(model: torch.nn.Module, make: Callable[[torch.nn.Linear], torch.nn.Module]) -> int:
+    """Replaces every ``nn.Linear`` in ``model`` by ``make(linear)``, one at a
+    time (the plain weight is dropped as soon as its replacement exists, so
+    peak memory grows by one layer, not one model). Returns how many."""
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is torch.nn.Linear]
-    for i, (name, mod) in enumerate(targets):
+    for name, mod in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PackedLinear(mod))
-        if on_progress is not None:
-            on_progress(i + 1, len(targets))
+        setattr(parent, attr, make(mod))
     return len(targets)
 
 
@@ -220,7 +217,7 @@ def apply_backend(model: torch.nn.Module, backend: str, dtype: torch.dtype, devi
                 else f"oneDNN has no native {str(dtype).removeprefix('torch.')} GEMM on this CPU ({cpu_info().isa})"
             )
             raise ValueError(f"backend 'packed' cannot run {str(dtype).removeprefix('torch.')} on {device}: {why}")
-        pack_linears(model)
+        replace_linears(model, PackedLinear)
         return model
     if backend == "bf16w":
         from target_service import bf16w
@@ -231,11 +228,7 @@ def apply_backend(model: torch.nn.Module, backend: str, dtype: torch.dtype, devi
                 "backend 'bf16w' runs bfloat16 weights on an x86-64 CPU with AVX2 and FMA"
                 + (f": {why}" if why else f" (asked for {str(dtype).removeprefix('torch.')} on {device})")
             )
-        targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is torch.nn.Linear]
-        for name, mod in targets:
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, bf16w.Bf16WeightLinear(mod))
+        replace_linears(model, bf16w.Bf16WeightLinear)
         # everything else (embeddings, norms, rotary buffers) computes in
         # float32: activations stay float32 end to end; the values are the
         # bf16-rounded weights, widened exactly

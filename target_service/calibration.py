@@ -29,7 +29,7 @@ import logging
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
@@ -189,12 +189,8 @@ def choose(
             if cache is not None:
                 cache.put(pair, curve)
         curves[pair] = curve
-    if len(pairs) == 1:
-        dtype, backend = pairs[0]
-        choice = pick_pair(curves)
-    else:
-        choice = pick_pair(curves)
-        dtype, backend = choice.pair
+    choice = pick_pair(curves)  # one pair: that pair
+    dtype, backend = choice.pair
     return CalibrationResult(
         dtype=dtype,
         backend=backend,
@@ -241,9 +237,6 @@ class CalibrationCache:
         except OSError as e:  # a read-only cache only costs a re-measure next start
             log(logger, logging.WARNING, "could not write the calibration cache", path=str(self.path), error=repr(e))
 
-
-def result_dict(result: CalibrationResult) -> dict[str, object]:
-    return asdict(result)
 
 
 # ------------------------------------------------------------- start-up

@@ -55,7 +55,7 @@ class FakeService:
         if sid not in self.sessions:
             raise NotFound(f"session {sid}")
 
-    async def info(self, timeout: float | None = None) -> str:
+    async def info(self, timeout: float | None = None, drafter: str = "") -> str:
         self._call("info")
         return self.address
 
