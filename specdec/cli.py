@@ -186,6 +186,13 @@ def target_config(a: argparse.Namespace, port: int) -> Any:
         for field_name, flag in _BATCH_FLAGS.items():
             msg = re.sub(rf"\b{field_name}\b", f"--{prefix}{flag}", msg)
         raise SystemExit(f"specdec: {msg}") from None
+    from target_service.calibration import resolve_pairs
+    from target_service.engine import pick_device
+
+    try:  # a pair this machine cannot run stops here, with one line, before anything loads
+        resolve_pairs(cfg.dtype, cfg.backend, pick_device(cfg.device))
+    except ValueError as e:
+        raise SystemExit(f"specdec: {e}") from None
     return cfg
 
 

@@ -298,3 +298,12 @@ def test_calibration_skips_pairs_that_would_not_fit_in_memory(tiny_models, tmp_p
     monkeypatch.setattr(cal, "available_memory_bytes", lambda: int(size * 0.1))
     with pytest.raises(ValueError, match="no dtype fits"):
         cal.calibrate(tiny_models.target, "auto", "auto", torch.device("cpu"), tmp_path, "tiny")
+
+
+def test_cli_refuses_a_pair_this_machine_cannot_run_with_one_line() -> None:
+    from specdec.cli import build_parser, target_config
+
+    a = build_parser().parse_args(["serve", "target", "--dtype", "float32", "--backend", "bf16w"])
+    a.target_model, a.target_threads = "x", 0
+    with pytest.raises(SystemExit, match="specdec: --target-backend bf16w cannot run float32"):
+        target_config(a, 0)
