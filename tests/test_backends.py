@@ -251,6 +251,14 @@ def test_bf16w_outputs_do_not_depend_on_the_rows_beside_them() -> None:
         for j in (0, 4, 8):
             assert torch.equal(bf16w.linear(x[i, j : j + 1], w, None)[0], full[i, j])
     assert torch.equal(bf16w.linear(x[:, 2:6], w, None), full[:, 2:6])
+    # every pass width a verify or a batch uses (the kernel groups rows by up
+    # to six, so 7..16 split into groups), and a K with a scalar tail
+    w2 = torch.randn(37, 1541, generator=g).to(torch.bfloat16)
+    b2 = torch.randn(37, generator=g)
+    x2 = torch.randn(16, 1541, generator=g)
+    alone = torch.stack([bf16w.linear(x2[i : i + 1], w2, b2)[0] for i in range(16)])
+    for m in range(1, 17):
+        assert torch.equal(bf16w.linear(x2[:m], w2, b2), alone[:m]), m
     try:
         bf16w.set_threads(1)
         assert torch.equal(bf16w.linear(x, w, None), full)
