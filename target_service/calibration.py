@@ -40,7 +40,10 @@ from specdec.logging_util import log
 
 logger = logging.getLogger("specdec.target")
 
-CALIBRATION_KS = (1, 2, 4, 8, 16)
+# 6 and 8 straddle the bf16w kernel's step (a pass of up to six rows reads
+# each weight once, seven take a second group): without 6, interpolating
+# between 4 and 8 hides the cheap k = 5..6 the policy should aim for
+CALIBRATION_KS = (1, 2, 4, 6, 8, 16)
 CALIBRATION_KV = 128  # tokens of KV cache behind the measured pass (a short prompt)
 ACCEPTANCE_MIX = (0.1, 0.3, 0.5, 0.7, 0.8, 0.9)
 DRAFT_RATIO = 0.1  # draft cost per token / the fastest target step
@@ -337,6 +340,7 @@ def machine_identity(device: "torch.device") -> dict[str, object]:
         "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
         "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
         "kernels": _kernel_digest(),  # a changed bf16w kernel measures again
+        "attention": "gqa-packed-1",  # target_service/attention.py
     }
     if device.type == "cuda":
         ident["gpu"] = torch.cuda.get_device_name(device)

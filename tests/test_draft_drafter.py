@@ -107,7 +107,9 @@ def test_rollback_equals_a_fresh_session(drafter: OnnxDrafter, cfg: SamplingConf
 def test_q_is_exactly_what_was_sampled(small_drafter: OnnxDrafter) -> None:
     """First drafted token, vocab 6, temperature 1: the sampled frequencies over
     N draws match the q sent (chi-square, p > P_MIN), and q is identical across
-    calls with the same context."""
+    calls with the same context. 6 outcomes, N = 6,000: detects Δ = 0.026
+    between two outcomes of probability 1/6 (tests/test_sampling.py
+    ``detectable_shift``)."""
     n = 6000
     committed = [1, 2, 3, 4, 5, 1, 2]
     cfg = SamplingConfig(temperature=1.0)
@@ -134,9 +136,13 @@ def test_q_is_exactly_what_was_sampled(small_drafter: OnnxDrafter) -> None:
 
 
 def test_second_position_q_is_conditional_on_the_first(small_drafter: OnnxDrafter) -> None:
+    """The second drafted token, among the draws whose first token was the
+    most frequent x1, follows the q sent for it, and that q is the model's
+    distribution after x1; the first position's q is rejected (negative
+    control)."""
     n = 4000
     committed = [2, 4, 1, 3]
-    cfg = SamplingConfig(temperature=1.0)
+    cfg = SamplingConfig(temperature=2.5)  # a spread q, so frequencies carry information
     rng = np.random.default_rng(5)
     state = small_drafter.new_state()
     by_first: dict[int, list[Proposal]] = {}
@@ -152,6 +158,11 @@ def test_second_position_q_is_conditional_on_the_first(small_drafter: OnnxDrafte
     assert _chi2_p(observed, q_probs) > P_MIN
     # and it is the model's distribution after x1
     logits = small_drafter.model.forward(small_drafter.model.new_state(), committed + [x1])[-1]
+    # negative control: the q of the first position (a drafter that did not
+    # condition on x1) is rejected by the same frequencies
+    first_ids, first_probs = group[0].q[0]
+    first = dict(zip(first_ids.tolist(), first_probs.astype(np.float64).tolist()))
+    assert _chi2_p(observed, np.array([first.get(int(i), 1e-12) for i in q_ids])) < P_MIN
     ref_ids, ref_probs = draft_distribution(logits, cfg, 64)
     np.testing.assert_array_equal(ref_ids, q_ids)
     np.testing.assert_allclose(ref_probs, q_probs, atol=1e-5)

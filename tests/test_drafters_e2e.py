@@ -28,8 +28,8 @@ from specdec.tiny import build_tiny_model
 from specdec.tokenization import tokenizer_fingerprint
 from specdec.v1 import common_pb2, draft_pb2
 from tests.stack import Stack, start_stack
-from tests.test_e2e_tiny import exact_sequence_distribution
-from tests.test_sampling import assert_matches
+from tests.test_e2e_tiny import control_config, exact_sequence_distribution
+from tests.test_sampling import assert_detects, assert_matches
 
 CHARS = "abcdefghijklmnopqrstuvwxyz .,:!?\n"
 TARGET_MERGES = [("t", "h"), ("th", "e"), ("i", "n"), (" ", "t"), ("e", "r")]
@@ -188,9 +188,12 @@ def test_sampled_sequences_match_exact_target_distribution(
     """3-token continuations sampled through the services with γ=2 follow the
     exactly enumerated target distribution (7³ = 343 outcomes, 2,500 seeded
     requests; cells with expected count < 5 pooled; chi-square, fails at
-    p < 1e-4, the bound of tests/test_sampling.py). Token 6 ("ab") is outside
-    the TLI intersection; prompt-lookup proposes one-hot spans from the
-    repeated prompt."""
+    p < 1e-4, the bound of tests/test_sampling.py). Power: a shift of 0.029 of
+    mass between two outcomes of probability 0.05 is detected with
+    probability 0.99 (≤ 40 degrees of freedom after pooling). Token 6 ("ab")
+    is outside the TLI intersection; prompt-lookup proposes one-hot spans
+    from the repeated prompt. Negative control: the same counts must reject
+    the distribution at a 25 % higher temperature."""
     length, n = 3, 2500
     exact = exact_sequence_distribution(tli_models.small_target, prompt, length, cfg)
     outcomes = sorted(exact)
@@ -208,4 +211,8 @@ def test_sampled_sequences_match_exact_target_distribution(
         accepted += r["stats"].accepted_tokens
     assert drafted > 0 and 0 < accepted < drafted  # acceptances and rejections both happen
     assert_matches(counts, np.array([exact[s] for s in outcomes]))
+    # negative control: the same counts against the distribution at a 25 % higher
+    # temperature (a temperature applied twice or not at all) must fail
+    wrong = exact_sequence_distribution(tli_models.small_target, prompt, length, control_config(cfg))
+    assert_detects(counts, np.array([wrong[s] for s in outcomes]))
     small_stack.wait_no_sessions()

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from specdec.sampling import SamplingConfig, process_logits
 from specdec.v1 import orchestrator_pb2 as pb
 from tests.stack import Stack, free_port, kill, make_request, scrape_metrics as _scrape, start_stack
-from tests.test_sampling import assert_matches
+from tests.test_sampling import assert_detects, assert_matches
 
 @pytest.fixture(scope="module")
 def stack(tiny_models, onnx_cache_dir: Path) -> Stack:  # type: ignore[no-untyped-def]
@@ -171,6 +171,12 @@ def exact_sequence_distribution(model_dir: Path, prompt: list[int], length: int,
     return dist
 
 
+def control_config(cfg: SamplingConfig) -> SamplingConfig:
+    """The sampling settings of a negative control: the same truncation at a
+    25 % higher temperature."""
+    return SamplingConfig(temperature=cfg.temperature * 1.25, top_k=cfg.top_k, top_p=cfg.top_p)
+
+
 @pytest.mark.parametrize(
     "cfg",
     [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_k=3, top_p=0.9)],
@@ -184,7 +190,8 @@ def test_sampled_sequences_match_exact_target_distribution(small_stack: tuple[St
     deterministic). Power: a shift of 0.028 of mass between two outcomes of
     probability 0.05 is detected with probability 0.99 (λ = n · 2Δ² / p = 78
     at ≈ 30 degrees of freedom after merging); tests/test_faults.py has the
-    focused 36-outcome test and the negative controls."""
+    focused 36-outcome test. Negative control: the same counts must reject
+    the distribution at a 25 % higher temperature."""
     stack, target_dir = small_stack
     prompt = [1, 2, 3]
     length, n = 3, 2500
@@ -206,6 +213,10 @@ def test_sampled_sequences_match_exact_target_distribution(small_stack: tuple[St
     if cfg.top_k == 0:  # the untruncated case exercises rejections (recovered tokens) too
         assert accepted < drafted
     assert_matches(counts, np.array([exact[s] for s in outcomes]))
+    # negative control: the same counts against the distribution at a 25 % higher
+    # temperature (a temperature applied twice or not at all) must fail
+    wrong = exact_sequence_distribution(target_dir, prompt, length, control_config(cfg))
+    assert_detects(counts, np.array([wrong[s] for s in outcomes]))
     stack.wait_no_sessions()
 
 

@@ -5,7 +5,11 @@ Statistical bound: every frequency comparison is a chi-square goodness-of-fit
 test against the exactly computed distribution, rejected when p < 1e-4 (bins
 with expected count < 5 merged). The RNGs are seeded, so each test is
 deterministic; the bound states how unlikely a false failure would be for a
-correct sampler under a fresh seed (1 in 10,000 per test).
+correct sampler under a fresh seed (1 in 10,000 per test). Each test states
+the smallest bias it detects (``detectable_shift``: mass Δ moved between two
+outcomes of probability p, found with probability 0.99) and has a negative
+control: a plausibly wrong sampler, or the same counts against a distribution
+they were not drawn from, that the same assertion must reject.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
+from scipy.optimize import brentq
+from scipy.stats import chi2, chisquare, ncx2
 
 from specdec.sampling import (
     SamplingConfig,
@@ -45,6 +50,35 @@ def assert_matches(counts: np.ndarray, probs: np.ndarray) -> None:
         return
     stat, pvalue = chisquare(c, e * c.sum() / e.sum())
     assert pvalue > ALPHA, f"chi-square p={pvalue:.2e}: counts {c.tolist()} vs expected {np.round(e, 1).tolist()}"
+
+
+def assert_detects(counts: np.ndarray, wrong: np.ndarray) -> None:
+    """Negative control: ``counts`` tested against a distribution they were
+    not drawn from must fail the same assertion."""
+    with pytest.raises(AssertionError, match="chi-square|zero probability"):
+        assert_matches(counts, wrong)
+
+
+def detectable_shift(n: int, p: float, df: int, power: float = 0.99) -> float:
+    """The smallest mass Δ moved between two outcomes of probability ``p``
+    that the chi-square test at ``ALPHA`` with ``df`` degrees of freedom
+    detects with probability ``power`` from ``n`` samples (noncentral
+    chi-square with λ = n · 2Δ² / p)."""
+    crit = chi2.ppf(1 - ALPHA, df)
+    lam = brentq(lambda x: ncx2.sf(crit, df, x) - power, 1e-6, 1e5)
+    return float(np.sqrt(lam * p / (2 * n)))
+
+
+def test_stated_detectable_shifts() -> None:
+    """The bounds quoted in the docstrings of this file and of the end-to-end
+    tests (tests/test_e2e_tiny.py, tests/test_drafters_e2e.py,
+    tests/test_faults.py) are what ``detectable_shift`` computes."""
+    assert detectable_shift(20_000, 0.1, 9) == pytest.approx(0.0119, abs=5e-4)
+    assert detectable_shift(30_000, 1 / 36, 35) == pytest.approx(0.0062, abs=3e-4)
+    assert detectable_shift(5_000, 0.125, 7) == pytest.approx(0.0259, abs=5e-4)
+    assert detectable_shift(20_000, 0.1, 7) == pytest.approx(0.0116, abs=5e-4)
+    assert detectable_shift(2_500, 0.05, 30) == pytest.approx(0.028, abs=1e-3)
+    assert detectable_shift(6_000, 1 / 6, 5) == pytest.approx(0.0263, abs=5e-4)
 
 
 def hf_reference(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
@@ -84,7 +118,33 @@ def test_process_logits_equals_hf_warpers(cfg: SamplingConfig) -> None:
 @pytest.mark.parametrize("draft_kind", ["dense", "truncated", "onehot"])
 def test_first_committed_token_has_target_distribution(cfg: SamplingConfig, draft_kind: str) -> None:
     """Whatever q the drafter sampled from, the first committed token of a
-    span is distributed as p_1 (accepted x or recovered token)."""
+    span is distributed as p_1 (accepted x or recovered token). 10 outcomes,
+    n = 20,000: detects Δ = 0.0119 between two outcomes of probability 0.1."""
+    counts, p1 = _first_token_counts(cfg, draft_kind, rejection_sample)
+    assert_matches(counts, p1)
+
+
+def _recover_from_p(draft_ids, draft_q, probs, gen):  # type: ignore[no-untyped-def]
+    """A classic bug: accept x with min(1, p/q) but, on rejection, sample
+    from p instead of the residual norm(max(0, p − q))."""
+    from specdec.sampling import VerifyResult
+
+    x = draft_ids[0]
+    ids, q = draft_q[0]
+    qx = float(q[list(ids).index(x)]) / float(q.sum())
+    if float(torch.rand(1, generator=gen)) * qx < float(probs[0, x]):
+        return VerifyResult(1, int(torch.multinomial(probs[1], 1, generator=gen)), True)
+    return VerifyResult(0, int(torch.multinomial(probs[0], 1, generator=gen)), False)
+
+
+@pytest.mark.parametrize("draft_kind", ["dense", "truncated"])
+def test_negative_control_recovering_from_p_instead_of_the_residual_is_detected(draft_kind: str) -> None:
+    """The same test with the recovery step wrong must fail."""
+    counts, p1 = _first_token_counts(CONFIGS[0], draft_kind, _recover_from_p)
+    assert_detects(counts, p1)
+
+
+def _first_token_counts(cfg: SamplingConfig, draft_kind: str, verify) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[no-untyped-def]
     vocab, n = 10, 20_000
     g = torch.Generator().manual_seed(1)
     target_logits = torch.randn(2, vocab, generator=g) * 2
@@ -102,9 +162,9 @@ def test_first_committed_token_has_target_distribution(cfg: SamplingConfig, draf
         else:
             x = sample_sparse(ids, probs, rng)
             q = (ids, probs)
-        res = rejection_sample([x], [q], p, gen)
+        res = verify([x], [q], p, gen)
         counts[x if res.num_accepted == 1 else res.next_token] += 1
-    assert_matches(counts, p[0].double().numpy())
+    return counts, p[0].double().numpy()
 
 
 def _two_token_joint(qs_used: list, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[type-arg]
@@ -170,7 +230,9 @@ def test_p_equals_q_always_accepts_and_bonus_from_last_row() -> None:
         res = rejection_sample(x, qs, p, gen)
         assert res.num_accepted == 2 and res.is_bonus
         bonus[res.next_token] += 1
+    # 8 outcomes, n = 5,000: detects Δ = 0.0259 between two outcomes of probability 0.125
     assert_matches(bonus, p[2].double().numpy())
+    assert_detects(bonus, p[1].double().numpy())  # control: a bonus from the last drafted row
 
 
 def test_disjoint_support_always_rejects_and_recovers_from_p() -> None:
@@ -186,6 +248,7 @@ def test_disjoint_support_always_rejects_and_recovers_from_p() -> None:
         assert res.num_accepted == 0 and not res.is_bonus
         counts[res.next_token] += 1
     assert_matches(counts, p[0].double().numpy())
+    assert_detects(counts, np.array([0.25, 0.25, 0.25, 0.25, 0, 0, 0, 0]))  # control: uniform over p's support
 
 
 def test_onehot_q_accepts_with_probability_p_and_recovers_without_x() -> None:
@@ -205,6 +268,7 @@ def test_onehot_q_accepts_with_probability_p_and_recovers_without_x() -> None:
     assert abs(accepted / n - 0.5) < 4.5 * np.sqrt(0.25 / n)
     assert rec[0] == 0  # the drafted token is removed from the residual
     assert_matches(rec, np.array([0.0, 0.4, 0.4, 0.2, 0.0]))
+    assert_detects(rec, p[0].double().numpy())  # control: recovering from p, x not removed
 
 
 def test_zero_probability_draft_token_is_always_rejected() -> None:
@@ -265,6 +329,7 @@ def test_q_is_renormalised_before_use() -> None:
         else:
             recovered_other += r.next_token == 1
     assert abs(accepted / n - 0.5) < 0.05
+    assert abs(accepted / n - 1.0) > 0.4  # control: without renormalising, x would always be accepted
     assert recovered_other == n - accepted
     # the same as sending the normalised q (same generator stream, same results)
     qn = (q[0], q[1] / q[1].sum())
@@ -294,7 +359,10 @@ def test_draft_distribution_is_what_sample_sparse_draws() -> None:
         counts[sample_sparse(ids, probs, rng)] += 1
     dense = np.zeros(40)
     dense[ids] = probs
+    # ≤ 8 outcomes, n = 20,000: detects Δ = 0.0116 between two outcomes of probability 0.1
     assert_matches(counts, dense)
+    # control: q without its truncation (top-k, top-p, max_support) must be rejected
+    assert_detects(counts, torch.softmax(torch.tensor(logits) / 0.8, -1).numpy())
     gid, gp = draft_distribution(logits, SamplingConfig(), 8)
     assert gid.tolist() == [int(np.argmax(logits))] and gp.tolist() == [1.0]
 
