@@ -193,7 +193,8 @@ def test_sampled_sequences_match_exact_target_distribution(
     probability 0.99 (≤ 40 degrees of freedom after pooling). Token 6 ("ab")
     is outside the TLI intersection; prompt-lookup proposes one-hot spans
     from the repeated prompt. Negative control: the same counts must reject
-    the distribution at a 25 % higher temperature."""
+    the distribution without the truncation, or at a 25 % higher temperature
+    (``control_config``)."""
     length, n = 3, 2500
     exact = exact_sequence_distribution(tli_models.small_target, prompt, length, cfg)
     outcomes = sorted(exact)
@@ -211,8 +212,8 @@ def test_sampled_sequences_match_exact_target_distribution(
         accepted += r["stats"].accepted_tokens
     assert drafted > 0 and 0 < accepted < drafted  # acceptances and rejections both happen
     assert_matches(counts, np.array([exact[s] for s in outcomes]))
-    # negative control: the same counts against the distribution at a 25 % higher
-    # temperature (a temperature applied twice or not at all) must fail
+    # negative control: the same counts against the distribution of a sampler
+    # that lost its truncation or its temperature must fail
     wrong = exact_sequence_distribution(tli_models.small_target, prompt, length, control_config(cfg))
     assert_detects(counts, np.array([wrong[s] for s in outcomes]))
     small_stack.wait_no_sessions()

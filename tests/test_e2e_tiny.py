@@ -172,9 +172,13 @@ def exact_sequence_distribution(model_dir: Path, prompt: list[int], length: int,
 
 
 def control_config(cfg: SamplingConfig) -> SamplingConfig:
-    """The sampling settings of a negative control: the same truncation at a
-    25 % higher temperature."""
-    return SamplingConfig(temperature=cfg.temperature * 1.25, top_k=cfg.top_k, top_p=cfg.top_p)
+    """The sampling settings of a negative control: with truncation (top-k,
+    top-p), the same temperature without it (a sampler that dropped the
+    truncation); without, a 25 % higher temperature (one applied twice or
+    not at all)."""
+    if cfg.top_k or cfg.top_p < 1.0:
+        return SamplingConfig(temperature=cfg.temperature)
+    return SamplingConfig(temperature=cfg.temperature * 1.25)
 
 
 @pytest.mark.parametrize(
@@ -191,7 +195,8 @@ def test_sampled_sequences_match_exact_target_distribution(small_stack: tuple[St
     probability 0.05 is detected with probability 0.99 (λ = n · 2Δ² / p = 78
     at ≈ 30 degrees of freedom after merging); tests/test_faults.py has the
     focused 36-outcome test. Negative control: the same counts must reject
-    the distribution at a 25 % higher temperature."""
+    the distribution without the truncation, or at a 25 % higher temperature
+    (``control_config``)."""
     stack, target_dir = small_stack
     prompt = [1, 2, 3]
     length, n = 3, 2500
@@ -213,8 +218,8 @@ def test_sampled_sequences_match_exact_target_distribution(small_stack: tuple[St
     if cfg.top_k == 0:  # the untruncated case exercises rejections (recovered tokens) too
         assert accepted < drafted
     assert_matches(counts, np.array([exact[s] for s in outcomes]))
-    # negative control: the same counts against the distribution at a 25 % higher
-    # temperature (a temperature applied twice or not at all) must fail
+    # negative control: the same counts against the distribution of a sampler
+    # that lost its truncation or its temperature must fail
     wrong = exact_sequence_distribution(target_dir, prompt, length, control_config(cfg))
     assert_detects(counts, np.array([wrong[s] for s in outcomes]))
     stack.wait_no_sessions()
