@@ -121,6 +121,7 @@ class RequestStats:
     committed_in_rounds: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    prefill_ms: float = 0.0  # the part of verify_ms that prefilled prompts (and rebuilds)
     rtt_ms: float = 0.0  # RPC wall time minus server compute, summed
     draft_failures: int = 0
     target_rebuilds: int = 0
@@ -214,6 +215,7 @@ class Decoder:
         self.target_sid = reply.session_id
         self.target_cache_len = reply.cache_len
         self.stats.verify_ms += reply.compute_ms
+        self.stats.prefill_ms += reply.compute_ms
 
     async def _create_draft(self) -> None:
         assert self.draft is not None
@@ -294,6 +296,7 @@ class Decoder:
             if draft_task is not None:
                 await draft_task
         self.stats.verify_ms += reply.compute_ms
+        self.stats.prefill_ms += reply.compute_ms
         assert reply.next_token is not None
         self.committed.append(reply.next_token)
         self.stats.first_token_at = time.perf_counter()

@@ -475,6 +475,7 @@ def stats_proto(s: RequestStats, generated: int) -> pb.GenerationStats:
         total_ms=total_ms,
         draft_ms=s.draft_ms,
         verify_ms=s.verify_ms,
+        prefill_ms=s.prefill_ms,
         overhead_ms=max(0.0, total_ms - s.draft_ms - s.verify_ms),
         gamma_trajectory=s.gamma_trajectory,
         accepted_per_round=s.accepted_per_round,

@@ -147,6 +147,8 @@ def test_stats_are_consistent(stack: Stack) -> None:
     assert s.mean_accepted_length == pytest.approx((s.accepted_tokens + s.rounds) / s.rounds)
     assert s.time_to_first_token_ms > 0 and s.tokens_per_second > 0
     assert s.verify_ms > 0 and s.draft_ms > 0
+    assert 0 < s.prefill_ms < s.verify_ms  # the prompt's prefill, reported apart from the rounds
+    assert s.prefill_ms <= s.time_to_first_token_ms
 
 
 # --------------------------------------------------------- sampled exactness
