@@ -49,20 +49,13 @@ def logits_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def prefill_ms(model: torch.nn.Module, n: int, backend: str, reps: int = 1) -> float:
-    """One prefill pass of an n-token prompt, as the engine runs it (bf16w:
-    inside prompt_pass(), so large passes take the float32 GEMM path)."""
-    import contextlib
-
-    from target_service import bf16w
-
+def prefill_ms(model: torch.nn.Module, n: int, reps: int = 1) -> float:
     g = torch.Generator().manual_seed(1)
     best = float("inf")
     for _ in range(reps):
         ids = torch.randint(100, 30_000, (1, n), generator=g)
         t0 = time.perf_counter()
-        with bf16w.prompt_pass() if backend == "bf16w" else contextlib.nullcontext():
-            model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, use_cache=True, logits_to_keep=1)
         best = min(best, (time.perf_counter() - t0) * 1000.0)
     return best
 
@@ -111,7 +104,7 @@ def main() -> int:
             row["max_abs_logit_diff_vs_fp32_eager"] = float((lg - ref).abs().max())
             row["argmax_agreement_vs_fp32_eager"] = float((lg.argmax(-1) == ref.argmax(-1)).float().mean())
         if a.prefill:
-            row["prefill_ms"] = {str(a.prefill): round(prefill_ms(model, a.prefill, backend), 1)}
+            row["prefill_ms"] = {str(a.prefill): round(prefill_ms(model, a.prefill), 1)}
         results[key] = row
         print(f"[cost-curves] {key}: " + " ".join(f"k={k}:{v:.0f}" for k, v in curve.items()), flush=True)
         del model, lg

@@ -28,7 +28,6 @@ backend is not eligible (``available()`` says why).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
@@ -38,7 +37,6 @@ import subprocess
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -238,59 +236,6 @@ def _executor(threads: int) -> ThreadPoolExecutor:
         return _pool
 
 
-# Prompt prefill: a pass of many rows is bound by arithmetic, not by reading
-# the weights, and torch's float32 GEMM (MKL/oneDNN) does that arithmetic
-# about twice as fast as the kernel above. Inside ``prompt_pass()``, passes
-# of at least PROMPT_GEMM_MIN_ROWS rows widen the weights to float32, a chunk
-# of rows at a time, and use it. Same math (bf16 weights widened exactly,
-# float32 products and sums), another summation order: such a pass is not
-# bit-identical with the row-by-row kernel. The engine enters prompt_pass()
-# only for forwards made of prompt prefills: a prompt's KV comes from one
-# prefill whether it is then decoded step by step or speculatively, so no
-# comparison the contract makes (greedy identity, M-invariance of steps,
-# verifies and batches) crosses the two paths.
-PROMPT_GEMM_MIN_ROWS = 64
-_GEMM_CHUNK_ROWS = 1024  # weight rows widened at a time (≤ 36 MB of float32 for K = 8960)
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def prompt_pass() -> Iterator[None]:
-    """Passes in this block (on this thread) are prompt prefills: large ones
-    may use the float32 GEMM path (see above)."""
-    before = getattr(_local, "prompt", False)
-    _local.prompt = True
-    try:
-        yield
-    finally:
-        _local.prompt = before
-
-
-def _gemm_rows(x2: torch.Tensor, weight_bf16: torch.Tensor, bias: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
-    outs = []
-    for c in range(lo, hi, _GEMM_CHUNK_ROWS):
-        e = min(hi, c + _GEMM_CHUNK_ROWS)
-        w = weight_bf16[c:e].float()
-        outs.append(torch.addmm(bias[c:e], x2, w.t()) if bias is not None else x2 @ w.t())
-    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-
-
-def _gemm(x2: torch.Tensor, weight_bf16: torch.Tensor, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
-    """The prompt path: [M, N] float32 from torch's GEMM on widened weights,
-    output columns split over the kernel's threads (torch ops release the
-    GIL; torch itself runs one thread under this backend)."""
-    n = weight_bf16.shape[0]
-    parts = max(1, min(threads, n // _GEMM_CHUNK_ROWS or 1))
-    if parts == 1:
-        return _gemm_rows(x2, weight_bf16, bias, 0, n)
-    per = (n + parts - 1) // parts
-    ranges = [(i * per, min(n, (i + 1) * per)) for i in range(parts)]
-    pool = _executor(threads)
-    futs = [pool.submit(_gemm_rows, x2, weight_bf16, bias, lo, hi) for lo, hi in ranges[1:]]
-    first = _gemm_rows(x2, weight_bf16, bias, *ranges[0])
-    return torch.cat([first] + [f.result() for f in futs], dim=1)
-
-
 def linear(x: torch.Tensor, weight_bf16: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] float32 · weight [N, K] bfloat16ᵀ + bias [N] float32 → [..., N] float32."""
     lib, why = _library()
@@ -303,8 +248,6 @@ def linear(x: torch.Tensor, weight_bf16: torch.Tensor, bias: torch.Tensor | None
     x2 = x2.contiguous()
     m = x2.shape[0]
     threads = max(1, _threads or torch.get_num_threads())
-    if m >= PROMPT_GEMM_MIN_ROWS and getattr(_local, "prompt", False):
-        return _gemm(x2, weight_bf16, bias, threads).reshape(*x.shape[:-1], n)
     y = torch.empty((m, n), dtype=torch.float32)
     fn = lib.specdec_bf16w_linear
     xp, wp, yp = x2.data_ptr(), weight_bf16.data_ptr(), y.data_ptr()

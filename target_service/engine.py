@@ -8,8 +8,6 @@ concurrently; the servicer only validates and dispatches.
 
 from __future__ import annotations
 
-import contextlib
-
 import inspect
 import logging
 import math
@@ -600,12 +598,11 @@ class TargetEngine:
             group = groups.pop(0)
             info = ForwardInfo(len(group), sum(len(r.ids) for _, r in group))
             try:
-                with self._pass_kind(group):
-                    if len(group) == 1:
-                        _, r = group[0]
-                        logits = [self._forward(r.sess.cache, r.ids, r.keep)]
-                    else:
-                        logits = self._forward_batch([r for _, r in group])
+                if len(group) == 1:
+                    _, r = group[0]
+                    logits = [self._forward(r.sess.cache, r.ids, r.keep)]
+                else:
+                    logits = self._forward_batch([r for _, r in group])
             except Exception as e:
                 if len(group) > 1:  # the sessions' caches are untouched: retry the rows one by one
                     log(logger, logging.WARNING, "batched forward failed; retrying unbatched",
@@ -632,15 +629,6 @@ class TargetEngine:
                 if len(group) > 1:
                     self._compact(r.sess)
         return results
-
-    def _pass_kind(self, group: Sequence[tuple[int, _Row]]) -> contextlib.AbstractContextManager[None]:
-        """A forward made only of prompt prefills may take the backend's
-        prompt path (bf16w: float32 GEMM for large passes)."""
-        if self.backend == "bf16w" and all(isinstance(r.call, PrefillCall) for _, r in group):
-            from target_service import bf16w
-
-            return bf16w.prompt_pass()
-        return contextlib.nullcontext()
 
     @staticmethod
     def _forward_error(e: Exception) -> Exception:

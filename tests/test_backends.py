@@ -270,33 +270,8 @@ def test_bf16w_outputs_do_not_depend_on_the_rows_beside_them() -> None:
 
 
 @needs_bf16w
-def test_bf16w_prompt_path_is_the_same_math_and_only_inside_prompt_pass() -> None:
-    """Large passes inside prompt_pass() (prompt prefill) take torch's float32
-    GEMM on widened weights: the same values up to summation order, and with
-    a bias. Outside it, the same 80-row pass stays on the kernel, bit-identical
-    row by row (a batch of verifies must never take the other path)."""
-    from target_service import bf16w
-
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(2100, 300, generator=g).to(torch.bfloat16)  # > one GEMM chunk: split over threads
-    b = torch.randn(2100, generator=g)
-    x = torch.randn(2, 40, 300, generator=g)  # 80 rows ≥ PROMPT_GEMM_MIN_ROWS
-    ref = (x.double() @ w.double().T + b.double()).float()
-    kernel = bf16w.linear(x, w, b)
-    with bf16w.prompt_pass():
-        gemm = bf16w.linear(x, w, b)
-        small = bf16w.linear(x[0, :5], w, b)  # few rows: the kernel even inside
-    assert gemm.shape == kernel.shape == (2, 40, 2100)
-    assert (gemm - ref).abs().max().item() < 1e-3 and (kernel - ref).abs().max().item() < 1e-3
-    assert not torch.equal(gemm, kernel)  # it did take the other path
-    assert torch.equal(small, kernel[0, :5])
-    assert torch.equal(bf16w.linear(x[1, 7:8], w, b)[0], kernel[1, 7])
-
-
-@needs_bf16w
 def test_bf16w_engine_greedy_speculation_equals_step_by_step(tiny_models) -> None:  # type: ignore[no-untyped-def]
-    """Greedy identity on the bf16w engine: a 70-token prompt (prefilled on
-    the prompt path), then 24 tokens decoded one step at a time, and the same
+    """Greedy identity on the bf16w engine: a 70-token prompt, then 24 tokens decoded one step at a time, and the same
     24 verified in spans of 5 drafted tokens with a wrong token in some spans;
     the committed tokens are the same."""
     eng = TargetEngine(tiny_models.target, dtype="bfloat16", backend="bf16w", max_sessions=4, kv_budget_tokens=4096)
