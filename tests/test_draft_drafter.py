@@ -139,7 +139,9 @@ def test_second_position_q_is_conditional_on_the_first(small_drafter: OnnxDrafte
     """The second drafted token, among the draws whose first token was the
     most frequent x1, follows the q sent for it, and that q is the model's
     distribution after x1; the first position's q is rejected (negative
-    control)."""
+    control). The group holds at least 4000 / 6 = 667 draws (pigeonhole over
+    six first tokens): 6 outcomes, detects Δ = 0.079 between two outcomes of
+    probability 1/6 (tests/test_sampling.py ``detectable_shift``)."""
     n = 4000
     committed = [2, 4, 1, 3]
     cfg = SamplingConfig(temperature=2.5)  # a spread q, so frequencies carry information
@@ -150,6 +152,7 @@ def test_second_position_q_is_conditional_on_the_first(small_drafter: OnnxDrafte
         p = small_drafter.propose(state, committed, 2, cfg, rng)
         by_first.setdefault(p.token_ids[0], []).append(p)
     x1, group = max(by_first.items(), key=lambda kv: len(kv[1]))
+    assert len(group) >= n // 6
     q_ids, q_probs = group[0].q[1]
     for p in group:
         np.testing.assert_allclose(p.q[1][1], q_probs, atol=1e-5)

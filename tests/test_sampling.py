@@ -79,6 +79,8 @@ def test_stated_detectable_shifts() -> None:
     assert detectable_shift(20_000, 0.1, 7) == pytest.approx(0.0116, abs=5e-4)
     assert detectable_shift(2_500, 0.05, 30) == pytest.approx(0.028, abs=1e-3)
     assert detectable_shift(6_000, 1 / 6, 5) == pytest.approx(0.0263, abs=5e-4)
+    assert detectable_shift(667, 1 / 6, 5) == pytest.approx(0.079, abs=1e-3)
+    assert detectable_shift(2_500, 0.05, 40) == pytest.approx(0.029, abs=1e-3)
 
 
 def hf_reference(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
