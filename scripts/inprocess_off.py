@@ -47,6 +47,11 @@ def main() -> int:
     resolved = resolve(a.model, default_cache_dir())
     tok = AutoTokenizer.from_pretrained(str(resolved.hf_dir))
     engine = TargetEngine(resolved.hf_dir, dtype=a.dtype, backend=a.backend, model_name=resolved.name)
+    client = None
+    if a.services:
+        from specdec.client import Client
+
+        client = Client(a.services)
     prompts = [json.loads(line) for line in REPO_PROMPTS.read_text().splitlines() if line.strip()]
     for pr in prompts:
         if a.only and pr["id"] not in a.only:
@@ -76,9 +81,8 @@ def main() -> int:
                                                    do_sample=False, min_new_tokens=a.max_new_tokens, pad_token_id=0)
                     same = same and hf[0, len(ids):].tolist()[: len(tokens)] == tokens
                 else:  # OFF through the orchestrator, the same prompt ids
-                    from specdec.client import Client
-
-                    res = Client(a.services).generate(ids, mode="off", max_new_tokens=a.max_new_tokens)
+                    assert client is not None
+                    res = client.generate(ids, mode="off", max_new_tokens=a.max_new_tokens)
                     # the service stops at EOS, the loops above do not: compare and count what it made
                     same = same and res.token_ids == tokens[: len(res.token_ids)]
                 made = len(res.token_ids) if path == "services" else a.max_new_tokens

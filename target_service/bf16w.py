@@ -247,11 +247,11 @@ def linear(x: torch.Tensor, weight_bf16: torch.Tensor, bias: torch.Tensor | None
         x2 = x2.float()
     x2 = x2.contiguous()
     m = x2.shape[0]
-    threads = max(1, _threads or torch.get_num_threads())
     y = torch.empty((m, n), dtype=torch.float32)
     fn = lib.specdec_bf16w_linear
     xp, wp, yp = x2.data_ptr(), weight_bf16.data_ptr(), y.data_ptr()
     bp = bias.data_ptr() if bias is not None else None
+    threads = max(1, _threads or torch.get_num_threads())
     blocks = (n + _ROW_ALIGN - 1) // _ROW_ALIGN
     parts = min(threads, blocks)
     if parts <= 1:

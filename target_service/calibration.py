@@ -326,6 +326,7 @@ def machine_identity(device: "torch.device") -> dict[str, object]:
     threads and torch."""
     import torch
 
+    from target_service import attention
     from target_service.backends import compute_threads, cpu_info
 
     info = cpu_info()
@@ -340,7 +341,7 @@ def machine_identity(device: "torch.device") -> dict[str, object]:
         "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
         "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
         "kernels": _kernel_digest(),  # a changed bf16w kernel measures again
-        "attention": "gqa-packed-1",  # target_service/attention.py
+        "attention": attention.IDENTITY,  # a changed attention path measures again
     }
     if device.type == "cuda":
         ident["gpu"] = torch.cuda.get_device_name(device)

@@ -271,9 +271,10 @@ def test_bf16w_outputs_do_not_depend_on_the_rows_beside_them() -> None:
 
 @needs_bf16w
 def test_bf16w_engine_greedy_speculation_equals_step_by_step(tiny_models) -> None:  # type: ignore[no-untyped-def]
-    """Greedy identity on the bf16w engine: a 70-token prompt, then 24 tokens decoded one step at a time, and the same
-    24 verified in spans of 5 drafted tokens with a wrong token in some spans;
-    the committed tokens are the same."""
+    """Greedy identity on the bf16w engine: a 70-token prompt, then 24 tokens
+    decoded one step at a time, and the same 24 verified in spans of 5 drafted
+    tokens with a wrong token in some spans; the committed tokens are the
+    same."""
     eng = TargetEngine(tiny_models.target, dtype="bfloat16", backend="bf16w", max_sessions=4, kv_budget_tokens=4096)
     g = torch.Generator().manual_seed(11)
     prompt = torch.randint(1, eng.vocab_size, (70,), generator=g).tolist()
