@@ -7,6 +7,88 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DraftSessionRequest(_message.Message):
+    __slots__ = ("open", "commit")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    open: DraftOpen
+    commit: DraftCommit
+    def __init__(self, open: _Optional[_Union[DraftOpen, _Mapping]] = ..., commit: _Optional[_Union[DraftCommit, _Mapping]] = ...) -> None: ...
+
+class DraftOpen(_message.Message):
+    __slots__ = ("sampling", "drafter", "rng_offset", "token_ids", "draft_until", "min_confidence")
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    RNG_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    sampling: _common_pb2.SamplingParams
+    drafter: str
+    rng_offset: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_until: int
+    min_confidence: float
+    def __init__(self, sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ..., rng_offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_until: _Optional[int] = ..., min_confidence: _Optional[float] = ...) -> None: ...
+
+class DraftCommit(_message.Message):
+    __slots__ = ("token_ids", "version", "accepted", "draft_until", "min_confidence")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    version: int
+    accepted: int
+    draft_until: int
+    min_confidence: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_until: _Optional[int] = ..., min_confidence: _Optional[float] = ...) -> None: ...
+
+class DraftSessionEvent(_message.Message):
+    __slots__ = ("opened", "token", "paused")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    opened: DraftOpened
+    token: DraftedToken
+    paused: DraftPaused
+    def __init__(self, opened: _Optional[_Union[DraftOpened, _Mapping]] = ..., token: _Optional[_Union[DraftedToken, _Mapping]] = ..., paused: _Optional[_Union[DraftPaused, _Mapping]] = ...) -> None: ...
+
+class DraftOpened(_message.Message):
+    __slots__ = ("session_id", "drafter")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    drafter: str
+    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ...) -> None: ...
+
+class DraftedToken(_message.Message):
+    __slots__ = ("position", "version", "token_id", "prob", "confidence", "compute_ms")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROB_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    version: int
+    token_id: int
+    prob: _common_pb2.SparseDistribution
+    confidence: float
+    compute_ms: float
+    def __init__(self, position: _Optional[int] = ..., version: _Optional[int] = ..., token_id: _Optional[int] = ..., prob: _Optional[_Union[_common_pb2.SparseDistribution, _Mapping]] = ..., confidence: _Optional[float] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+
+class DraftPaused(_message.Message):
+    __slots__ = ("position", "version", "reason")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    version: int
+    reason: str
+    def __init__(self, position: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class CreateDraftSessionRequest(_message.Message):
     __slots__ = ("sampling", "drafter", "rng_offset")
     SAMPLING_FIELD_NUMBER: _ClassVar[int]

@@ -57,6 +57,11 @@ class DraftStub:
                 request_serializer=specdec_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/specdec.v1.Draft/Session',
+                request_serializer=specdec_dot_v1_dot_draft__pb2.DraftSessionRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_draft__pb2.DraftSessionEvent.FromString,
+                _registered_method=True)
 
 
 class DraftServicer:
@@ -88,6 +93,19 @@ class DraftServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """One bidirectional stream per generation (docs/architecture.md, "Draft
+        streams and run-ahead"). The caller opens the session with the committed
+        sequence, then sends each round's committed tokens; the draft streams
+        drafted tokens as it makes them, each with the q it was sampled from, its
+        position and the prefix version it assumed, and never drafts past the
+        caller's `draft_until`. Ending or cancelling the stream releases the
+        session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +128,11 @@ def add_DraftServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=specdec_dot_v1_dot_common__pb2.ReleaseRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_common__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=specdec_dot_v1_dot_draft__pb2.DraftSessionRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_draft__pb2.DraftSessionEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +245,33 @@ class Draft:
             '/specdec.v1.Draft/Release',
             specdec_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
             specdec_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.Draft/Session',
+            specdec_dot_v1_dot_draft__pb2.DraftSessionRequest.SerializeToString,
+            specdec_dot_v1_dot_draft__pb2.DraftSessionEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,27 +25,27 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/orchestrator.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x81\x01\n\x11SpeculationConfig\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.specdec.v1.SpeculationMode\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\x12\x16\n\x0emin_confidence\x18\x04 \x01(\x02\"\x9d\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x32\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1d.specdec.v1.SpeculationConfig\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x19\n\x11return_logit_gaps\x18\t \x01(\x08\"\xf2\x03\n\x0fGenerationStats\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x04\x12\x0e\n\x06rounds\x18\x03 \x01(\x04\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x05 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x08 \x01(\r\x12\x18\n\x10generated_tokens\x18\t \x01(\r\x12\x10\n\x08total_ms\x18\n \x01(\x01\x12\x10\n\x08\x64raft_ms\x18\x0b \x01(\x01\x12\x11\n\tverify_ms\x18\x0c \x01(\x01\x12\x13\n\x0boverhead_ms\x18\r \x01(\x01\x12\x18\n\x10gamma_trajectory\x18\x0e \x03(\r\x12\x1a\n\x12\x61\x63\x63\x65pted_per_round\x18\x0f \x03(\r\x12\x16\n\x0e\x64raft_failures\x18\x10 \x01(\r\x12\x17\n\x0ftarget_rebuilds\x18\x11 \x01(\r\x12\x0f\n\x07\x64rafter\x18\x12 \x01(\t\x12\x0e\n\x06policy\x18\x13 \x01(\t\x12\x15\n\rround_trip_ms\x18\x14 \x01(\x01\x12\x12\n\nprefill_ms\x18\x15 \x01(\x01\"\xa4\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12\x12\n\nlogit_gaps\x18\x05 \x03(\x02*\xa4\x01\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SPECULATION_MODE_AUTO\x10\x01\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x02\x12\x1a\n\x16SPECULATION_MODE_FIXED\x10\x03\x12\x1e\n\x1aSPECULATION_MODE_HEURISTIC\x10\x04*\x98\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x04\x32W\n\x0cOrchestrator\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/orchestrator.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x95\x01\n\x11SpeculationConfig\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.specdec.v1.SpeculationMode\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\x12\x16\n\x0emin_confidence\x18\x04 \x01(\x02\x12\x12\n\ndraft_mode\x18\x05 \x01(\t\"\x9d\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x32\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1d.specdec.v1.SpeculationConfig\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x19\n\x11return_logit_gaps\x18\t \x01(\x08\"\xd5\x04\n\x0fGenerationStats\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x04\x12\x0e\n\x06rounds\x18\x03 \x01(\x04\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x05 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x08 \x01(\r\x12\x18\n\x10generated_tokens\x18\t \x01(\r\x12\x10\n\x08total_ms\x18\n \x01(\x01\x12\x10\n\x08\x64raft_ms\x18\x0b \x01(\x01\x12\x11\n\tverify_ms\x18\x0c \x01(\x01\x12\x13\n\x0boverhead_ms\x18\r \x01(\x01\x12\x18\n\x10gamma_trajectory\x18\x0e \x03(\r\x12\x1a\n\x12\x61\x63\x63\x65pted_per_round\x18\x0f \x03(\r\x12\x16\n\x0e\x64raft_failures\x18\x10 \x01(\r\x12\x17\n\x0ftarget_rebuilds\x18\x11 \x01(\r\x12\x0f\n\x07\x64rafter\x18\x12 \x01(\t\x12\x0e\n\x06policy\x18\x13 \x01(\t\x12\x15\n\rround_trip_ms\x18\x14 \x01(\x01\x12\x12\n\nprefill_ms\x18\x15 \x01(\x01\x12\x12\n\ndraft_mode\x18\x16 \x01(\t\x12\x17\n\x0f\x64raft_hidden_ms\x18\x17 \x01(\x01\x12\x15\n\rpost_verified\x18\x18 \x01(\r\x12\x1d\n\x15round_overhead_p50_ms\x18\x19 \x01(\x01\"\xa4\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12\x12\n\nlogit_gaps\x18\x05 \x03(\x02*\xa4\x01\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SPECULATION_MODE_AUTO\x10\x01\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x02\x12\x1a\n\x16SPECULATION_MODE_FIXED\x10\x03\x12\x1e\n\x1aSPECULATION_MODE_HEURISTIC\x10\x04*\x98\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x04\x32W\n\x0cOrchestrator\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.orchestrator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECULATIONMODE']._serialized_start=1205
-  _globals['_SPECULATIONMODE']._serialized_end=1369
-  _globals['_FINISHREASON']._serialized_start=1372
-  _globals['_FINISHREASON']._serialized_end=1524
+  _globals['_SPECULATIONMODE']._serialized_start=1324
+  _globals['_SPECULATIONMODE']._serialized_end=1488
+  _globals['_FINISHREASON']._serialized_start=1491
+  _globals['_FINISHREASON']._serialized_end=1643
   _globals['_CHATMESSAGE']._serialized_start=70
   _globals['_CHATMESSAGE']._serialized_end=114
   _globals['_SPECULATIONCONFIG']._serialized_start=117
-  _globals['_SPECULATIONCONFIG']._serialized_end=246
-  _globals['_GENERATEREQUEST']._serialized_start=249
-  _globals['_GENERATEREQUEST']._serialized_end=534
-  _globals['_GENERATIONSTATS']._serialized_start=537
-  _globals['_GENERATIONSTATS']._serialized_end=1035
-  _globals['_GENERATERESPONSE']._serialized_start=1038
-  _globals['_GENERATERESPONSE']._serialized_end=1202
-  _globals['_ORCHESTRATOR']._serialized_start=1526
-  _globals['_ORCHESTRATOR']._serialized_end=1613
+  _globals['_SPECULATIONCONFIG']._serialized_end=266
+  _globals['_GENERATEREQUEST']._serialized_start=269
+  _globals['_GENERATEREQUEST']._serialized_end=554
+  _globals['_GENERATIONSTATS']._serialized_start=557
+  _globals['_GENERATIONSTATS']._serialized_end=1154
+  _globals['_GENERATERESPONSE']._serialized_start=1157
+  _globals['_GENERATERESPONSE']._serialized_end=1321
+  _globals['_ORCHESTRATOR']._serialized_start=1645
+  _globals['_ORCHESTRATOR']._serialized_end=1732
 # @@protoc_insertion_point(module_scope)

@@ -36,21 +36,27 @@ class PrefillResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., has_next_token: _Optional[bool] = ..., next_token_id: _Optional[int] = ..., next_token_logit_gap: _Optional[float] = ..., cache_len: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "cache_len", "new_token_ids", "draft_token_ids", "draft_probs")
+    __slots__ = ("session_id", "cache_len", "new_token_ids", "draft_token_ids", "draft_probs", "has_post_token", "post_token_id", "post_prob")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    HAS_POST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    POST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    POST_PROB_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cache_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
-    def __init__(self, session_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
+    has_post_token: bool
+    post_token_id: int
+    post_prob: _common_pb2.SparseDistribution
+    def __init__(self, session_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., has_post_token: _Optional[bool] = ..., post_token_id: _Optional[int] = ..., post_prob: _Optional[_Union[_common_pb2.SparseDistribution, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "next_is_bonus", "cache_len", "logit_gaps", "timings", "batch_size", "queue_depth", "active_sessions")
+    __slots__ = ("num_accepted", "next_token_id", "next_is_bonus", "cache_len", "logit_gaps", "timings", "batch_size", "queue_depth", "active_sessions", "next_is_post")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_IS_BONUS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +66,7 @@ class VerifyResponse(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_IS_POST_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     next_is_bonus: bool
@@ -69,4 +76,5 @@ class VerifyResponse(_message.Message):
     batch_size: int
     queue_depth: int
     active_sessions: int
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_is_bonus: _Optional[bool] = ..., cache_len: _Optional[int] = ..., logit_gaps: _Optional[_Iterable[float]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., batch_size: _Optional[int] = ..., queue_depth: _Optional[int] = ..., active_sessions: _Optional[int] = ...) -> None: ...
+    next_is_post: bool
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_is_bonus: _Optional[bool] = ..., cache_len: _Optional[int] = ..., logit_gaps: _Optional[_Iterable[float]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., batch_size: _Optional[int] = ..., queue_depth: _Optional[int] = ..., active_sessions: _Optional[int] = ..., next_is_post: _Optional[bool] = ...) -> None: ...
