@@ -15,13 +15,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 import grpc
 import numpy as np
 
 from draft_service.config import DrafterSpec, DraftServiceConfig
 from draft_service.drafter import Drafter, OnnxDrafter
+from draft_service.session_stream import SessionStream
 from draft_service.sessions import ProposeResult, SessionStore
 from specdec.errors import InvalidArgument, Unavailable
 from specdec.grpc_util import ModelWorker, ServerHandle, WorkTiming, drain, start_server, translate_errors
@@ -80,6 +81,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self.metrics.queue_depth.set_function(lambda: self.worker.pending)  # live at every scrape (HPA input)
         self.draining = False  # set on SIGTERM: no new sessions, existing ones are served
         self.metrics.active_sessions.set_function(lambda: len(self.sessions))  # exact at every scrape
+        self._streams = SessionStream(sessions, worker, self.metrics, self._get, lambda: self.draining, self.proposals)
 
     def attach(self, drafters: dict[str, LoadedDrafter]) -> None:
         self._drafters = drafters
@@ -158,6 +160,13 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             confidence=p.confidence,
             drafter=session.drafter.name,
         )
+
+    async def Session(
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[draft_pb2.DraftSessionEvent]:
+        """One bidirectional draft stream per generation (draft_service/session_stream.py)."""
+        async for event in self._streams.serve(request_iterator, context):
+            yield event
 
     @translate_errors
     async def Release(

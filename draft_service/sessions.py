@@ -37,6 +37,7 @@ class DraftSession:
     created: float = 0.0
     last_used: float = 0.0
     proposals: int = 0
+    streamed: bool = False  # a Session stream's: ends with the stream, never reaped for idleness
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,8 @@ class SessionStore:
         with self._lock:
             return list(self._sessions)
 
-    def create(self, drafter: Drafter, cfg: SamplingConfig, rng_offset: int = 0) -> DraftSession:
-        """A new session. Seeded: stream ``rng_offset`` of the seed (0 = the
+    def create(self, drafter: Drafter, cfg: SamplingConfig, rng_offset: int = 0, streamed: bool = False) -> DraftSession:
+        """A new session (``streamed``: owned by a Session stream). Seeded: stream ``rng_offset`` of the seed (0 = the
         seed's own stream; others are independent streams of the same seed,
         so a recreated session is reproducible but never replays the draws
         of the one it replaces, docs/design.md rule 6)."""
@@ -89,7 +90,8 @@ class SessionStore:
                 rng = np.random.default_rng(cfg.seed)
             sid = uuid.uuid4().hex
             session = DraftSession(
-                id=sid, drafter=drafter, state=drafter.new_state(), cfg=cfg, rng=rng, created=now, last_used=now
+                id=sid, drafter=drafter, state=drafter.new_state(), cfg=cfg, rng=rng, created=now, last_used=now,
+                streamed=streamed,
             )
             self._sessions[sid] = session
             self.created_total += 1
@@ -123,7 +125,7 @@ class SessionStore:
             return self._reap_locked(self._clock())
 
     def _reap_locked(self, now: float) -> int:
-        expired = [sid for sid, s in self._sessions.items() if now - s.last_used > self.ttl_s]
+        expired = [sid for sid, s in self._sessions.items() if not s.streamed and now - s.last_used > self.ttl_s]
         for sid in expired:
             del self._sessions[sid]
         if expired:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import time
 from typing import Any, Sequence
 
 import grpc
 import numpy as np
 
-from orchestrator.decode import PrefillReply, ProposeReply, SparseQ, VerifyReply
-from specdec.errors import from_rpc_error
+from orchestrator.decode import PostToken, PrefillReply, ProposeReply, SparseQ, VerifyReply
+from orchestrator.runahead import StreamPause, StreamToken
+from specdec.errors import DeadlineExceeded, SpecdecError, Unavailable, from_rpc_error
 from specdec.grpc_util import channel_options
 from specdec.tls import TlsClientConfig, aio_channel
 from specdec.sampling import SamplingConfig
@@ -76,6 +80,7 @@ class GrpcTargetClient(_GrpcClient):
         draft_ids: Sequence[int],
         q: Sequence[SparseQ],
         timeout: float | None,
+        post: PostToken | None = None,
     ) -> VerifyReply:
         req = target_pb2.VerifyRequest(
             session_id=session_id,
@@ -84,6 +89,12 @@ class GrpcTargetClient(_GrpcClient):
             draft_token_ids=draft_ids,
             draft_probs=[common_pb2.SparseDistribution(token_ids=ids.tolist(), probs=p.tolist()) for ids, p in q],
         )
+        if post is not None:
+            req.has_post_token = True
+            req.post_token_id = post[0]
+            if post[1] is not None:
+                req.post_prob.token_ids.extend(post[1][0].tolist())
+                req.post_prob.probs.extend(post[1][1].tolist())
         r = await self._rpc("Verify", req, timeout)
         return VerifyReply(
             r.num_accepted,
@@ -95,8 +106,102 @@ class GrpcTargetClient(_GrpcClient):
             r.queue_depth,
             r.timings.batch_size or 1,
             r.timings.batch_tokens,
+            r.next_is_post,
         )
 
+
+
+def _q(d: common_pb2.SparseDistribution) -> SparseQ:
+    return np.asarray(d.token_ids, dtype=np.int64), np.asarray(d.probs, dtype=np.float32)
+
+
+class GrpcDraftStream:
+    """One ``Draft/Session`` call: commits are written in order, events are
+    read by a background task into a buffer (so a slow consumer never blocks
+    the transport and a timeout never cancels a read half-way)."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.session_id = ""
+        self.drafter = ""
+        self._buf: collections.deque[Any] = collections.deque()
+        self._signal = asyncio.Event()
+        self._reader: asyncio.Task[None] | None = None
+
+    async def _open(self, req: draft_pb2.DraftSessionRequest, timeout: float | None) -> None:
+        await self.call.write(req)
+        first = await asyncio.wait_for(self.call.read(), timeout)
+        if first is grpc.aio.EOF or first.WhichOneof("kind") != "opened":
+            raise Unavailable("the draft stream ended before it opened")
+        self.session_id, self.drafter = first.opened.session_id, first.opened.drafter
+        self._reader = asyncio.create_task(self._read())
+
+    def _put(self, item: Any) -> None:
+        self._buf.append(item)
+        self._signal.set()
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                msg = await self.call.read()
+                if msg is grpc.aio.EOF:
+                    self._put(Unavailable("draft: the stream ended"))
+                    return
+                now = time.perf_counter()
+                kind = msg.WhichOneof("kind")
+                if kind == "token":
+                    t = msg.token
+                    self._put(StreamToken(t.position, t.version, t.token_id, _q(t.prob), t.confidence,
+                                          t.compute_ms, now))
+                elif kind == "paused":
+                    e = msg.paused
+                    self._put(StreamPause(e.position, e.version, e.reason, e.commit))
+        except grpc.RpcError as e:
+            self._put(from_rpc_error(e, "draft"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # pragma: no cover - defensive
+            self._put(Unavailable(f"draft: stream reader failed: {e!r}"))
+
+    async def commit(self, version: int, token_ids: Sequence[int], accepted: int, draft_until: int,
+                     min_confidence: float) -> None:
+        req = draft_pb2.DraftSessionRequest(commit=draft_pb2.DraftCommit(
+            token_ids=token_ids, version=version, accepted=accepted, draft_until=draft_until,
+            min_confidence=min_confidence))
+        try:
+            await self.call.write(req)
+        except (grpc.RpcError, asyncio.InvalidStateError) as e:
+            raise Unavailable(f"draft: the stream is closed: {e}") from None
+
+    def ready(self) -> list[StreamToken | StreamPause]:
+        """Every event received so far (non-blocking). Raises the stream's
+        error (a SpecdecError) once it ended, after the events before it."""
+        out: list[StreamToken | StreamPause] = []
+        while self._buf:
+            item = self._buf[0]
+            if isinstance(item, SpecdecError):
+                if out:
+                    break
+                raise item  # stays in the buffer: the stream stays ended
+            out.append(self._buf.popleft())
+        if not self._buf:
+            self._signal.clear()
+        return out
+
+    async def wait(self, timeout: float) -> None:
+        """Until an event is ready; DeadlineExceeded after ``timeout`` s."""
+        if self._buf:
+            return
+        self._signal.clear()
+        try:
+            await asyncio.wait_for(self._signal.wait(), max(timeout, 0.0))
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"draft: no event for {timeout:.3f} s") from None
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self.call.cancel()
 
 
 class GrpcDraftClient(_GrpcClient):
@@ -131,6 +236,35 @@ class GrpcDraftClient(_GrpcClient):
             (np.asarray(d.token_ids, dtype=np.int64), np.asarray(d.probs, dtype=np.float32)) for d in r.probs
         ]
         return ProposeReply(list(r.token_ids), q, r.committed_len, r.timings.compute_ms, list(r.confidence))
+
+    async def open_stream(
+        self,
+        cfg: SamplingConfig,
+        drafter: str,
+        rng_offset: int,
+        token_ids: Sequence[int],
+        draft_until: int,
+        min_confidence: float,
+        timeout: float | None,
+    ) -> GrpcDraftStream:
+        """Opens a ``Draft/Session`` stream (no deadline: it lives as long as
+        the generation; ``timeout`` bounds the open)."""
+        stream = GrpcDraftStream(self.stub.Session())
+        req = draft_pb2.DraftSessionRequest(open=draft_pb2.DraftOpen(
+            sampling=sampling_proto(cfg), drafter=drafter, rng_offset=rng_offset, token_ids=token_ids,
+            draft_until=draft_until, min_confidence=min_confidence))
+        try:
+            await stream._open(req, timeout)
+        except grpc.RpcError as e:
+            await stream.close()
+            raise from_rpc_error(e, self.service) from None
+        except asyncio.TimeoutError:
+            await stream.close()
+            raise DeadlineExceeded("the draft stream did not open in time") from None
+        except BaseException:
+            await stream.close()
+            raise
+        return stream
 
 
 

@@ -48,6 +48,12 @@ class OrchestratorConfig:
     max_concurrent_streams: int = 256
     draft_timeout_s: float = 5.0  # one Propose call; past it the round runs target-only
     draft_retry_after_rounds: int = 4  # rounds to wait before trying a failed draft again
+    # How requests reach the draft (a request's speculation.draft_mode wins):
+    # unary (a Propose call per round), stream (one Session stream per
+    # request), run-ahead (the stream drafts past the span while the target
+    # verifies it); docs/architecture.md "Draft streams and run-ahead".
+    draft_mode: str = "stream"
+    run_ahead_tokens: int = 8  # run-ahead: tokens the draft may draft past the round's span
     target_timeout_s: float = 120.0  # one Verify/Prefill call (bounded by the client deadline)
     release_timeout_s: float = 2.0
     max_message_bytes: int = 8 * 1024 * 1024

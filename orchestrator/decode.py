@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Protocol, Sequence
 import numpy as np
 
 from orchestrator.policy import DraftLengthPolicy, RoundObservation
+from orchestrator.runahead import ChainTracker, StreamFault, StreamPause, StreamToken
 from specdec.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, SpecdecError, Unavailable
 from specdec.logging_util import log
 from specdec.sampling import SamplingConfig
@@ -26,6 +27,8 @@ from specdec.sampling import SamplingConfig
 logger = logging.getLogger("specdec.orchestrator")
 
 SparseQ = tuple[np.ndarray, np.ndarray]
+PostToken = tuple[int, "SparseQ | None"]  # a drafted token at the bonus position and its q (None: one-hot)
+DRAFT_MODES = ("unary", "stream", "run-ahead")
 MAX_REBUILDS_PER_ROUND = 2  # target session rebuilds (another replica each) before a round gives up
 
 
@@ -50,6 +53,7 @@ class VerifyReply:
     queue_depth: int = 0
     batch_size: int = 1  # rows in the target's forward pass that served this call
     batch_tokens: int = 0  # real input tokens in that forward pass
+    is_post: bool = False  # next_token is the post-verified drafted token
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,9 @@ class ProposeReply:
     committed_len: int
     compute_ms: float
     confidence: list[float] = field(default_factory=list)
+    post: tuple[int, SparseQ] | None = None  # stream: the token after the span, already drafted
+    waited_ms: float = 0.0  # stream: wall time the round waited for the span
+    exposed_ms: float = 0.0  # stream: draft compute of the span's tokens that arrived while it waited
 
 
 class TargetClient(Protocol):
@@ -74,9 +81,25 @@ class TargetClient(Protocol):
         draft_ids: Sequence[int],
         q: Sequence[SparseQ],
         timeout: float | None,
+        post: PostToken | None = None,
     ) -> VerifyReply: ...
 
     async def release(self, session_id: str, timeout: float | None) -> None: ...
+
+
+class DraftStream(Protocol):
+    """An open ``Draft/Session`` stream (orchestrator/clients.py)."""
+
+    session_id: str
+
+    async def commit(self, version: int, token_ids: Sequence[int], accepted: int, draft_until: int,
+                     min_confidence: float) -> None: ...
+
+    def ready(self) -> list[StreamToken | StreamPause]: ...
+
+    async def wait(self, timeout: float) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 class DraftClient(Protocol):
@@ -95,6 +118,11 @@ class DraftClient(Protocol):
     ) -> ProposeReply: ...
 
     async def release(self, session_id: str, timeout: float | None) -> None: ...
+
+    async def open_stream(
+        self, cfg: SamplingConfig, drafter: str, rng_offset: int, token_ids: Sequence[int], draft_until: int,
+        min_confidence: float, timeout: float | None,
+    ) -> DraftStream: ...
 
 
 class UnknownDrafter(InvalidArgument):
@@ -127,6 +155,10 @@ class RequestStats:
     target_rebuilds: int = 0
     gamma_trajectory: list[int] = field(default_factory=list)
     accepted_per_round: list[int] = field(default_factory=list)
+    draft_mode: str = "unary"
+    draft_hidden_ms: float = 0.0  # draft compute of verified spans that ran while the target verified
+    post_verified: int = 0  # rounds whose next token was a run-ahead token post-verified and accepted
+    round_overhead_ms: list[float] = field(default_factory=list)  # per round: wall - target - exposed draft compute
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
 
@@ -137,6 +169,10 @@ class RequestStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def round_overhead_p50_ms(self) -> float:
+        return float(np.median(self.round_overhead_ms)) if self.round_overhead_ms else 0.0
 
 
 @dataclass(frozen=True)
@@ -164,6 +200,11 @@ class DecodeParams:
     min_confidence: float = 0.0  # draft-side confidence early stop; 0 = the policy's (``stop_confidence``)
     context_limited: bool = False  # max_new_tokens was cut to what the model's context holds
     sink: RoundSink | None = None
+    # unary: a Propose call per round; stream: one Session stream, drafting the
+    # span each round asks for; run-ahead: the stream keeps drafting up to
+    # run_ahead_tokens past the span while the target verifies it
+    draft_mode: str = "unary"
+    run_ahead_tokens: int = 8
 
 
 class Decoder:
@@ -183,6 +224,12 @@ class Decoder:
         self.draft_down_until_round = 0
         self._draft_wall_ms = 0.0
         self._tasks: set[asyncio.Future[Any]] = set()  # fire-and-forget releases
+        self.stats.draft_mode = params.draft_mode if self.draft is not None else "unary"
+        self.streamed = self.draft is not None and params.draft_mode != "unary"
+        self.stream: DraftStream | None = None
+        self.tracker = ChainTracker()
+        self.stream_version = 0  # the last commit version sent on the stream (the open is 0)
+        self.stream_known = 0  # committed tokens the stream has been sent
 
     # --------------------------------------------------------------- helpers
     def _timeout(self, cap: float) -> float:
@@ -281,12 +328,26 @@ class Decoder:
         self.draft_down_until_round = self.stats.rounds + self.p.draft_retry_after_rounds
 
     # ------------------------------------------------------------------ loop
+    def _choose(self) -> tuple[int, float]:
+        """(γ, confidence stop) for the next round, from what is known now."""
+        remaining = self.p.max_new_tokens - self.generated
+        if remaining <= 0:
+            return 0, 0.0
+        gamma = min(self.p.policy.next_gamma(), remaining - 1)
+        return gamma, (self.p.min_confidence or self.p.policy.stop_confidence()) if gamma > 0 else 0.0
+
+    def _drafting(self, gamma: int) -> bool:
+        return gamma > 0 and self.draft is not None and self.stats.rounds >= self.draft_down_until_round
+
     async def run(self) -> AsyncIterator[Step]:
         """Yields committed tokens step by step until max_new_tokens. The caller
         stops iterating on EOS or stop strings; ``close()`` releases sessions."""
-        # The draft session is created while the target prefills, so an unknown
-        # drafter fails the request before any token is streamed.
-        draft_task = asyncio.create_task(self._create_draft()) if self.draft is not None else None
+        # The draft session is created (or its stream opened) while the target
+        # prefills, so an unknown drafter fails the request before any token
+        # is streamed.
+        draft_task = None
+        if self.draft is not None:
+            draft_task = asyncio.create_task(self._open_stream(0) if self.streamed else self._create_draft())
         try:
             reply = await self.target.prefill(
                 self.p.prompt_ids, self.p.sampling, True, 0, self._timeout(self.p.target_timeout_s)
@@ -300,58 +361,200 @@ class Decoder:
         assert reply.next_token is not None
         self.committed.append(reply.next_token)
         self.stats.first_token_at = time.perf_counter()
+        gamma, min_conf = self._choose()
+        await self._stream_commit(0, gamma, min_conf)
+        round_start = time.perf_counter()
         yield Step([reply.next_token], [reply.logit_gap])
 
         self._continued = False  # the previous round's whole span was accepted
         while self.generated < self.p.max_new_tokens:
-            remaining = self.p.max_new_tokens - self.generated
-            gamma = min(self.p.policy.next_gamma(), remaining - 1)
             proposal: ProposeReply | None = None
             self._draft_wall_ms = 0.0
-            if gamma > 0 and self.draft is not None and self.stats.rounds >= self.draft_down_until_round:
-                proposal = await self._propose(gamma, self.p.min_confidence or self.p.policy.stop_confidence())
+            if self._drafting(gamma):
+                if self.streamed:
+                    proposal = await self._stream_span(gamma, min_conf)
+                else:
+                    proposal = await self._propose(gamma, min_conf)
                 if proposal is not None:
                     self.stats.draft_ms += proposal.compute_ms
-                    self.stats.rtt_ms += max(0.0, self._draft_wall_ms - proposal.compute_ms)
+                    if self.streamed:
+                        self._draft_wall_ms = proposal.waited_ms
+                        self.stats.draft_hidden_ms += max(0.0, proposal.compute_ms - proposal.exposed_ms)
+                    else:
+                        self.stats.rtt_ms += max(0.0, self._draft_wall_ms - proposal.compute_ms)
             draft_ids = proposal.token_ids if proposal else []
-            q = proposal.q if (proposal and not self.p.sampling.greedy) else []
+            sampled = not self.p.sampling.greedy
+            q = proposal.q if (proposal and sampled) else []
+            post: PostToken | None = None
+            if proposal is not None and proposal.post is not None:
+                post = (proposal.post[0], proposal.post[1] if sampled else None)
             tokens_in_pass = len(self.committed) - self.target_cache_len + len(draft_ids)
             t0 = time.perf_counter()
-            verified, draft_ids = await self._verify(draft_ids, q)
+            verified, draft_ids = await self._verify(draft_ids, q, post)
             if not draft_ids:
                 proposal = None  # the target refused the draft's part: this round ran target-only
-            verify_wall_ms = (time.perf_counter() - t0) * 1e3
+            done = time.perf_counter()
+            verify_wall_ms = (done - t0) * 1e3
             self.stats.rtt_ms += max(0.0, verify_wall_ms - verified.compute_ms - verified.queue_ms)
-            self.stats.rounds += 1
-            self.stats.draft_tokens += len(draft_ids)
-            self.stats.accepted_tokens += verified.num_accepted
-            self.stats.gamma_trajectory.append(len(draft_ids))
-            self.stats.accepted_per_round.append(verified.num_accepted)
-            obs = RoundObservation(
-                gamma=len(draft_ids),
-                accepted=verified.num_accepted,
-                draft_ms=self._draft_wall_ms if proposal else 0.0,
-                draft_compute_ms=proposal.compute_ms if proposal else 0.0,
-                verify_ms=verify_wall_ms,
-                verify_compute_ms=verified.compute_ms,
-                verify_queue_ms=verified.queue_ms,
-                tokens_in_pass=tokens_in_pass,
-                queue_depth=verified.queue_depth,
-                continued=self._continued,
-                batch_size=verified.batch_size,
-                batch_tokens=verified.batch_tokens,
-                requested=gamma if proposal else 0,
+            exposed = 0.0
+            if proposal is not None:
+                exposed = proposal.exposed_ms if self.streamed else proposal.compute_ms
+            self.stats.round_overhead_ms.append(
+                max(0.0, (done - round_start) * 1e3 - verified.compute_ms - verified.queue_ms - exposed)
             )
-            self._continued = 0 < len(draft_ids) == verified.num_accepted
-            self.p.policy.observe(obs)
-            if self.p.sink is not None:
-                self.p.sink.on_round(obs, self.p.drafter_label)
+            self._record(gamma, proposal, draft_ids, verified, verify_wall_ms, tokens_in_pass)
             new = draft_ids[: verified.num_accepted] + [verified.next_token]
             self.stats.committed_in_rounds += len(new)
             self.committed.extend(new)
+            gamma, min_conf = self._choose()
+            await self._stream_commit(verified.num_accepted, gamma, min_conf)
+            round_start = time.perf_counter()
             yield Step(new, verified.logit_gaps)
 
-    async def _verify(self, draft_ids: list[int], q: list[SparseQ]) -> tuple[VerifyReply, list[int]]:
+    def _record(
+        self, gamma: int, proposal: ProposeReply | None, draft_ids: list[int], verified: VerifyReply,
+        verify_wall_ms: float, tokens_in_pass: int,
+    ) -> None:
+        """Counts a verified round and shows it to the policy and the metrics."""
+        self.stats.rounds += 1
+        self.stats.draft_tokens += len(draft_ids)
+        self.stats.accepted_tokens += verified.num_accepted
+        self.stats.post_verified += int(verified.is_post)
+        self.stats.gamma_trajectory.append(len(draft_ids))
+        self.stats.accepted_per_round.append(verified.num_accepted)
+        obs = RoundObservation(
+            gamma=len(draft_ids),
+            accepted=verified.num_accepted,
+            draft_ms=self._draft_wall_ms if proposal else 0.0,
+            draft_compute_ms=proposal.compute_ms if proposal else 0.0,
+            verify_ms=verify_wall_ms,
+            verify_compute_ms=verified.compute_ms,
+            verify_queue_ms=verified.queue_ms,
+            tokens_in_pass=tokens_in_pass,
+            queue_depth=verified.queue_depth,
+            continued=self._continued,
+            batch_size=verified.batch_size,
+            batch_tokens=verified.batch_tokens,
+            requested=gamma if proposal else 0,
+            streamed=self.streamed,
+        )
+        self._continued = 0 < len(draft_ids) == verified.num_accepted
+        self.p.policy.observe(obs)
+        if self.p.sink is not None:
+            self.p.sink.on_round(obs, self.p.drafter_label)
+
+    # -------------------------------------------------------- draft stream
+    def _draft_until(self, gamma: int) -> int:
+        """The stream's credit for a round of γ after the committed tokens."""
+        if not self._drafting(gamma):
+            return len(self.committed)  # nothing to draft
+        ahead = self.p.run_ahead_tokens if self.p.draft_mode == "run-ahead" else 0
+        return len(self.committed) + gamma + ahead
+
+    async def _open_stream(self, gamma: int, min_conf: float = 0.0) -> None:
+        """Opens the draft stream on the committed tokens (a failure leaves
+        the request target-only for a while, like a failed Propose)."""
+        assert self.draft is not None
+        try:
+            self.stream = await self.draft.open_stream(
+                self.p.sampling, self.p.drafter, self.draft_sessions, list(self.committed), self._draft_until(gamma),
+                min_conf, self._timeout(self.p.draft_timeout_s),
+            )
+        except InvalidArgument as e:
+            raise UnknownDrafter(f"speculation.drafter: {e.message}") from None
+        except SpecdecError as e:
+            log(logger, logging.WARNING, "draft stream not opened; continuing target-only", error=e.message)
+            return
+        self.draft_sessions += 1  # a stream opened later draws a fresh random stream
+        self.tracker = ChainTracker()
+        self.stream_version = 0
+        self.tracker.sent(0, len(self.committed))
+        self.stream_known = len(self.committed)
+
+    async def _stream_commit(self, accepted: int, gamma: int, min_conf: float) -> None:
+        """Sends the stream the tokens committed since the last message and
+        the credit for the next round (before the step is handed to the
+        client, so the draft works while the client is served)."""
+        if self.stream is None:
+            return
+        self.stream_version += 1
+        self.tracker.sent(self.stream_version, len(self.committed))
+        try:
+            await self.stream.commit(self.stream_version, self.committed[self.stream_known:], accepted,
+                                     self._draft_until(gamma), min_conf)
+        except SpecdecError as e:
+            self._drop_stream(f"draft stream commit failed: {e.message}", fault=False)
+            return
+        self.stream_known = len(self.committed)
+
+    async def _stream_span(self, gamma: int, min_conf: float) -> ProposeReply | None:
+        """Waits until the stream's chain holds the round's span (γ tokens,
+        or fewer at a confidence stop or a pause) after the committed tokens.
+        None when the draft cannot serve this round: the stream failed,
+        stalled past ``draft_timeout_s``, or sent something no honest draft
+        sends (a draft fault)."""
+        if self.stream is None:
+            await self._open_stream(gamma, min_conf)
+            if self.stream is None:
+                self._count_fallback()
+                return None
+        t0 = time.perf_counter()
+        stall = self._timeout(self.p.draft_timeout_s)
+        try:
+            while True:
+                for ev in self.stream.ready():
+                    if isinstance(ev, StreamToken):
+                        self.tracker.on_token(ev)
+                    else:
+                        self.tracker.on_pause(ev)
+                span = self.tracker.span(self.committed, gamma, min_conf)
+                if span.complete:
+                    break
+                await self.stream.wait(stall - (time.perf_counter() - t0))
+        except StreamFault as e:
+            self._drop_stream(str(e), fault=True)
+            return None
+        except DeadlineExceeded:
+            if self.p.deadline is not None and time.monotonic() >= self.p.deadline:
+                raise
+            self._drop_stream(f"draft stream stalled: no span within {stall:.3f} s", fault=False)
+            return None
+        except SpecdecError as e:
+            self._drop_stream(f"draft stream failed: {e.message}", fault=False)
+            return None
+        tokens = span.tokens
+        post = (span.post.token_id, span.post.q) if span.post is not None and tokens else None
+        return ProposeReply(
+            [t.token_id for t in tokens], [t.q for t in tokens], len(self.committed),
+            sum(t.compute_ms for t in tokens), [t.confidence for t in tokens], post,
+            waited_ms=(time.perf_counter() - t0) * 1e3,
+            exposed_ms=sum(t.compute_ms for t in tokens if t.received >= t0),
+        )
+
+    def _drop_stream(self, error: str, fault: bool) -> None:
+        """Closes a failed (or faulty) stream and runs target-only rounds for
+        ``draft_retry_after_rounds`` rounds; a later round opens a new one."""
+        log(logger, logging.WARNING, "draft stream dropped; rounds run target-only", error=error, fault=fault)
+        self._count_fallback()
+        self._close_stream(error)
+
+    def _detach_stream(self, error: str = "") -> DraftStream | None:
+        """Forgets the stream (its replica backed off when ``error``); the
+        caller closes it, which ends the draft session."""
+        stream, self.stream = self.stream, None
+        closed = getattr(self.draft, "stream_closed", None)
+        if stream is not None and closed is not None:
+            closed(stream.session_id, error)
+        return stream
+
+    def _close_stream(self, error: str = "") -> None:
+        stream = self._detach_stream(error)
+        if stream is not None:
+            self._background(stream.close())
+
+    async def _verify(
+        self, draft_ids: list[int], q: list[SparseQ], post: PostToken | None = None
+    ) -> tuple[VerifyReply, list[int]]:
         """Verifies the round; returns the reply and the drafted ids it
         verified (empty when the target refused the draft's part).
 
@@ -374,12 +577,13 @@ class Decoder:
                     draft_ids,
                     q,
                     self._timeout(self.p.target_timeout_s),
+                    post,
                 )
             except InvalidArgument as e:
                 if not draft_ids:
                     raise
                 self._draft_fault(f"the target refused the drafted span: {e.message}")
-                draft_ids, q = [], []
+                draft_ids, q, post = [], [], None
                 continue
             except (NotFound, Unavailable, FailedPrecondition) as e:
                 if attempt == MAX_REBUILDS_PER_ROUND:
@@ -410,6 +614,12 @@ class Decoder:
         rounds for ``draft_retry_after_rounds`` rounds."""
         log(logger, logging.WARNING, "draft fault; round redone target-only", error=error)
         self._count_fallback()
+        if self.stream is not None:
+            fault = getattr(self.draft, "fault", None)
+            if fault is not None:
+                fault(self.stream.session_id, error)
+            self._close_stream()
+            return
         sid, self.draft_sid = self.draft_sid, None
         if sid is not None and self.draft is not None:
             fault = getattr(self.draft, "fault", None)
@@ -432,6 +642,9 @@ class Decoder:
         if self.draft is not None and self.draft_sid is not None:
             tasks.append(self.draft.release(self.draft_sid, self.p.release_timeout_s))
             self.draft_sid = None
+        stream = self._detach_stream()
+        if stream is not None:
+            tasks.append(stream.close())
         if tasks:
             results = await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
             for r in results:

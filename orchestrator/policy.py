@@ -41,6 +41,9 @@ class RoundObservation:
       (see ``AcceptancePrior``).
     requested: the γ the policy asked for (``gamma`` is smaller when the
       drafter stopped the span early: confidence stop or context limit).
+    streamed: the span came over a draft stream (``draft_ms`` is then the
+      time the round waited for it, which run-ahead shortens below the
+      span's draft compute when drafting overlapped the previous verify).
     """
 
     gamma: int
@@ -56,6 +59,7 @@ class RoundObservation:
     batch_size: int = 0
     batch_tokens: int = 0
     requested: int = 0
+    streamed: bool = False
 
 
 class DraftLengthPolicy(Protocol):
@@ -203,7 +207,12 @@ class CostModel:
     - t_draft(γ) = rtt + γ·t_token, where rtt is the Propose call's wall time
       minus the draft's compute (so queueing at a busy draft service counts)
       and t_token = Σ compute / Σ γ (exponentially weighted ratio estimator;
-      ``draft_token_ms`` before any data).
+      ``draft_token_ms`` before any data);
+    - over a draft stream, the round waits only for the part of drafting that
+      did not overlap the previous verify: t_draft(γ) = e·γ·t_token, where the
+      exposure e = Σ wait / Σ compute is measured apart for rounds that start
+      after a rejection (the draft starts the span then) and rounds that
+      continue a fully accepted one (run-ahead drafted it during the verify).
 
     ``verify_ms(k)`` is a request's share of a verify pass of its k tokens:
     A/B + b·k + network. Alone on the target (B = 1) that is the pass itself;
@@ -235,7 +244,12 @@ class CostModel:
         self._draft_tokens = 0.0
         self._draft_rtt = 0.0
         self._draft_n = 0.0
+        # streamed rounds, per start state: weighted (Σ wait, Σ compute); starts at e = 1
+        self._exposure = [[self.EXPOSURE_PRIOR_MS, self.EXPOSURE_PRIOR_MS] for _ in (0, 1)]
         self._lock = threading.Lock()
+
+    #: pseudo-milliseconds of fully exposed drafting the exposure estimates start from
+    EXPOSURE_PRIOR_MS = 50.0
 
     def set_prior(self, verify_curve: dict[int, float] | None = None, draft_token_ms: float = 0.0) -> None:
         """Starts from measured costs: the target's t(k) (ms for a forward
@@ -271,7 +285,13 @@ class CostModel:
                 self._rows = self._rows * w + max(1, obs.batch_size)
                 self._net = self._net * w + max(0.0, obs.verify_ms - compute - obs.verify_queue_ms)
                 self._verify_n = self._verify_n * w + 1.0
-            if obs.gamma > 0 and obs.draft_ms > 0:
+            if obs.gamma > 0 and obs.streamed and obs.draft_compute_ms > 0:
+                self._draft_compute = self._draft_compute * w + obs.draft_compute_ms
+                self._draft_tokens = self._draft_tokens * w + obs.gamma
+                cell = self._exposure[1 if obs.continued else 0]
+                cell[0] = cell[0] * w + obs.draft_ms
+                cell[1] = cell[1] * w + obs.draft_compute_ms
+            elif obs.gamma > 0 and obs.draft_ms > 0:
                 compute = obs.draft_compute_ms if obs.draft_compute_ms > 0 else obs.draft_ms
                 self._draft_compute = self._draft_compute * w + compute
                 self._draft_tokens = self._draft_tokens * w + obs.gamma
@@ -317,17 +337,32 @@ class CostModel:
             rows = max(1.0, self._rows / self._verify_n)
             return max(0.0, a) / rows + b * k + self._net / self._verify_n
 
-    def marginal_token_ms(self, k: int = 1) -> float | None:
-        """What one more drafted token adds to a round whose verify pass has
-        k tokens: its draft compute plus t(k+1) − t(k) (the line fit's slope
-        without a prior curve). None before any draft cost is known."""
+    def exposure(self, continued: bool) -> float:
+        """Over a draft stream: the share of a span's draft compute the round
+        waits for (1 = none hidden; below 1 when run-ahead drafted it while
+        the target verified; above 1 when the stream adds latency)."""
         with self._lock:
-            if self._draft_tokens > 1e-9:
-                per_token = self._draft_compute / self._draft_tokens
-            elif self._draft_prior_ms > 0:
-                per_token = self._draft_prior_ms
-            else:
+            wait, compute = self._exposure[1 if continued else 0]
+            return wait / compute if compute > 1e-9 else 1.0
+
+    def _per_token(self) -> float | None:
+        if self._draft_tokens > 1e-9:
+            return self._draft_compute / self._draft_tokens
+        if self._draft_prior_ms > 0:
+            return self._draft_prior_ms
+        return None
+
+    def marginal_token_ms(self, k: int = 1, streamed: bool = False, continued: bool = False) -> float | None:
+        """What one more drafted token adds to a round whose verify pass has
+        k tokens: its draft compute (over a stream, the exposed share of it)
+        plus t(k+1) − t(k) (the line fit's slope without a prior curve). None
+        before any draft cost is known."""
+        scale = self.exposure(continued) if streamed else 1.0
+        with self._lock:
+            per_token = self._per_token()
+            if per_token is None:
                 return None
+            per_token *= scale
             if self._prior:
                 hi, lo = self._forward_ms(k + 1), self._forward_ms(k)
                 assert hi is not None and lo is not None
@@ -337,7 +372,14 @@ class CostModel:
                 return None
             return per_token + fit[1]
 
-    def draft_ms(self, gamma: int) -> float | None:
+    def draft_ms(self, gamma: int, streamed: bool = False, continued: bool = False) -> float | None:
+        """The draft time a round of γ waits for (unary: the Propose call;
+        streamed: the exposed share of the span's compute)."""
+        if streamed:
+            scale = self.exposure(continued)
+            with self._lock:
+                per_token = self._per_token()
+            return None if per_token is None else scale * per_token * gamma
         with self._lock:
             if self._draft_n < 1e-9:
                 if self._draft_prior_ms > 0:
@@ -434,13 +476,17 @@ class AdaptivePolicy:
         seed: int = 0,
         update_shared: bool = True,
         allow: Callable[[], bool] | None = None,
+        streamed: bool = False,
     ) -> None:
-        """``update_shared=False`` when something else (the orchestrator's
+        """``streamed``: the request drafts over a draft stream (the draft
+        cost is its exposed share, see ``CostModel``).
+        ``update_shared=False`` when something else (the orchestrator's
         stats path, which sees every request's rounds) feeds ``prior`` and
         ``costs``; the policy then only keeps this request's own counts.
         ``allow`` (the server's load gate) is asked before every round;
         while it says no, rounds are plain decoding (γ = 0)."""
         self.allow = allow
+        self.streamed = streamed
         self.cfg = cfg or AdaptiveConfig()
         self.update_shared = update_shared
         self._rng = random.Random(seed)
@@ -500,7 +546,7 @@ class AdaptivePolicy:
             verify = c.default_verify_ms + c.default_verify_slope_ms * gamma
         if gamma == 0:
             return verify
-        draft = self.costs.draft_ms(gamma)
+        draft = self.costs.draft_ms(gamma, self.streamed, self._state == CONTINUED)
         if draft is None:
             draft = c.default_draft_token_ms * gamma
         return verify + draft
@@ -546,7 +592,7 @@ class AdaptivePolicy:
         if scale <= 0 or not self.last_scores:
             return 0.0
         planned = max(self.last_scores, key=lambda g: self.last_scores[g])
-        m = self.costs.marginal_token_ms(planned + 1)
+        m = self.costs.marginal_token_ms(planned + 1, self.streamed, self._state == CONTINUED)
         if m is None:
             m = self.cfg.default_draft_token_ms + self.cfg.default_verify_slope_ms
         return min(self.cfg.confidence_max, scale * max(self.last_scores.values()) * m)
@@ -601,7 +647,7 @@ class PolicyFactory:
     draft_token_ms: dict[str, float] = field(default_factory=dict)
     _made: int = 0
 
-    def make(self, mode: str, gamma: int, drafter: str) -> DraftLengthPolicy:
+    def make(self, mode: str, gamma: int, drafter: str, streamed: bool = False) -> DraftLengthPolicy:
         if mode == "off":
             return OffPolicy()
         if mode == "fixed":
@@ -611,7 +657,8 @@ class PolicyFactory:
         cfg = AdaptiveConfig(**{**self.adaptive.__dict__, "gamma_max": gamma or self.adaptive.gamma_max})
         prior, costs = self._shared(drafter)
         self._made += 1
-        return AdaptivePolicy(prior, costs, cfg, seed=self._made, update_shared=False, allow=self.allow)
+        return AdaptivePolicy(prior, costs, cfg, seed=self._made, update_shared=False, allow=self.allow,
+                              streamed=streamed)
 
     def set_cost_priors(self, verify_curve: dict[int, float] | None = None,
                         draft_token_ms: dict[str, float] | None = None) -> None:

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Generic, Protocol, Sequence, TypeVar
 
 from orchestrator.config import RoutingConfig
-from orchestrator.decode import PrefillReply, ProposeReply, SparseQ, VerifyReply
+from orchestrator.decode import PostToken, PrefillReply, ProposeReply, SparseQ, VerifyReply
 from specdec.errors import NotFound, ResourceExhausted, SpecdecError, Unavailable
 from specdec.logging_util import log
 from specdec.sampling import SamplingConfig
@@ -454,10 +454,13 @@ class RoutedTarget(_Bound[Any]):
         draft_ids: Sequence[int],
         q: Sequence[SparseQ],
         timeout: float | None,
+        post: PostToken | None = None,
     ) -> VerifyReply:
         r = self._replica(session_id)
         try:
-            return await self.pool.call(r, lambda c: c.verify(session_id, cache_len, new_ids, draft_ids, q, timeout))
+            return await self.pool.call(
+                r, lambda c: c.verify(session_id, cache_len, new_ids, draft_ids, q, timeout, post)
+            )
         except (NotFound, Unavailable):
             self._dropped(session_id)  # the cache is gone with it; the caller rebuilds
             raise
@@ -494,6 +497,32 @@ class RoutedDraft(_Bound[Any]):
         except Unavailable as e:
             self._dropped(session_id)
             raise NotFound(f"draft replica {r.address} failed: {e.message}") from None
+
+    async def open_stream(
+        self,
+        cfg: SamplingConfig,
+        drafter: str,
+        rng_offset: int,
+        token_ids: Sequence[int],
+        draft_until: int,
+        min_confidence: float,
+        timeout: float | None,
+    ) -> Any:
+        """A draft Session stream on the less loaded of two random replicas;
+        it counts as one of that replica's sessions until ``stream_closed``."""
+        r, stream = await self.pool.first_success(
+            self.pool.draft_order(),
+            lambda c: c.open_stream(cfg, drafter, rng_offset, token_ids, draft_until, min_confidence, timeout),
+        )
+        self._opened(r, stream.session_id)
+        return stream
+
+    def stream_closed(self, session_id: str, error: str = "") -> None:
+        """The stream ended; with ``error`` (the replica failed it) the
+        replica is backed off, so the next stream goes elsewhere."""
+        r = self._dropped(session_id)
+        if r is not None and error:
+            self.pool.mark_failed(r, error)
 
     def fault(self, session_id: str, error: str) -> None:
         """The target refused what this session's replica drafted: back the

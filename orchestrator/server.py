@@ -15,7 +15,7 @@ import grpc
 
 from orchestrator.clients import GrpcDraftClient, GrpcEndpoint, GrpcTargetClient, make_channel
 from orchestrator.config import OrchestratorConfig
-from orchestrator.decode import DecodeParams, Decoder, RequestStats
+from orchestrator.decode import DRAFT_MODES, DecodeParams, Decoder, RequestStats
 from orchestrator.detokenizer import IncrementalDetokenizer, StopMatcher
 from orchestrator.policy import AdaptiveConfig, PolicyFactory, RoundObservation
 from orchestrator.routing import Replica, ReplicaPool, RoutedDraft, RoutedTarget, Router
@@ -271,12 +271,17 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise InvalidArgument(f"unknown speculation.mode {spec.mode}")
         if not (0.0 <= spec.min_confidence < 1.0) or spec.min_confidence != spec.min_confidence:
             raise InvalidArgument(f"speculation.min_confidence must be in [0, 1), got {spec.min_confidence}")
+        if spec.draft_mode and spec.draft_mode not in DRAFT_MODES:
+            raise InvalidArgument(f"speculation.draft_mode must be one of {', '.join(DRAFT_MODES)} (or empty), "
+                                  f"got {spec.draft_mode!r}")
+        draft_mode = spec.draft_mode or self.cfg.draft_mode
         mode = MODE_NAMES[spec.mode]
         speculate = mode != "off" and self.draft is not None
         if speculate and spec.drafter in self.refused_drafters:
             raise InvalidArgument(f"speculation.drafter {spec.drafter!r} was refused at start-up: "
                                   f"{self.refused_drafters[spec.drafter]}")
-        policy = self.policies.make(mode if speculate else "off", spec.num_draft_tokens, spec.drafter or self.default_drafter)
+        policy = self.policies.make(mode if speculate else "off", spec.num_draft_tokens,
+                                    spec.drafter or self.default_drafter, streamed=draft_mode != "unary")
         return DecodeParams(
             prompt_ids=prompt_ids,
             max_new_tokens=max_new,
@@ -294,6 +299,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             min_confidence=spec.min_confidence or (self.cfg.min_confidence if mode == "adaptive" else 0.0),
             sink=self.sink,
             context_limited=context_limited,
+            draft_mode=draft_mode,
+            run_ahead_tokens=self.cfg.run_ahead_tokens,
         )
 
     # -------------------------------------------------------------- Generate
@@ -476,12 +483,17 @@ def stats_proto(s: RequestStats, generated: int) -> pb.GenerationStats:
         draft_ms=s.draft_ms,
         verify_ms=s.verify_ms,
         prefill_ms=s.prefill_ms,
-        overhead_ms=max(0.0, total_ms - s.draft_ms - s.verify_ms),
+        # drafting hidden behind verification took no wall time of its own
+        overhead_ms=max(0.0, total_ms - (s.draft_ms - s.draft_hidden_ms) - s.verify_ms),
         gamma_trajectory=s.gamma_trajectory,
         accepted_per_round=s.accepted_per_round,
         draft_failures=s.draft_failures,
         target_rebuilds=s.target_rebuilds,
         round_trip_ms=s.rtt_ms,
+        draft_mode=s.draft_mode,
+        draft_hidden_ms=s.draft_hidden_ms,
+        post_verified=s.post_verified,
+        round_overhead_p50_ms=s.round_overhead_p50_ms,
     )
 
 

@@ -89,6 +89,12 @@ def _add_speculation_flags(p: argparse._ActionsContainer) -> None:
     p.add_argument("--confidence-stop-scale", type=float, default=1.0,
                    help="AUTO's draft confidence early stop: scale × (tokens/ms) × (ms per drafted token), "
                         "capped at 0.4; 0 = no early stop")
+    p.add_argument("--draft-mode", default="stream", choices=["unary", "stream", "run-ahead"],
+                   help="how requests reach the draft (a request's speculation.draft_mode wins): a Propose call per "
+                        "round, one Session stream per request, or the stream drafting ahead while the target "
+                        "verifies (pays when draft and target have their own cores; docs/architecture.md)")
+    p.add_argument("--run-ahead-tokens", type=int, default=8,
+                   help="run-ahead: tokens the draft may draft past the round's span")
 
 
 def _add_draft_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
@@ -256,6 +262,8 @@ def orchestrator_config(a: argparse.Namespace, port: int) -> Any:
         raise SystemExit("specdec: --speculation-max-streams must be -1 (auto), 0 (unlimited) or a positive count")
     if not 0.0 <= a.min_confidence < 1.0:
         raise SystemExit(f"specdec: --min-confidence must be in [0, 1), got {a.min_confidence}")
+    if a.run_ahead_tokens < 1:
+        raise SystemExit("specdec: --run-ahead-tokens must be at least 1")
     _check_confidence_stop_scale(a.confidence_stop_scale)
     return OrchestratorConfig(
         target_addresses=targets, draft_addresses=drafts, tokenizer=a.target_model,
@@ -264,6 +272,7 @@ def orchestrator_config(a: argparse.Namespace, port: int) -> Any:
         metrics_host=a.metrics_host, min_confidence=a.min_confidence, health_port=a.health_port,
         confidence_stop_scale=a.confidence_stop_scale,
         speculation_max_streams=a.speculation_max_streams,
+        draft_mode=a.draft_mode, run_ahead_tokens=a.run_ahead_tokens,
         routing=RoutingConfig(discovery_interval_s=a.discovery_interval, backoff_s=a.replica_backoff,
                               target_load_factor=a.target_load_factor),
         tls=_server_tls(a),
@@ -362,6 +371,7 @@ def cmd_up(a: argparse.Namespace) -> int:
                                 "--model", a.target_model, "--num-draft-tokens", str(a.num_draft_tokens),
                                 "--speculation-max-streams", str(a.speculation_max_streams),
                                 "--confidence-stop-scale", str(a.confidence_stop_scale),
+                                "--draft-mode", a.draft_mode, "--run-ahead-tokens", str(a.run_ahead_tokens),
                                 "--metrics-port", str(a.metrics_port)] + common,
     }
     if not a.no_draft:

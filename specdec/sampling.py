@@ -3,7 +3,10 @@
 Vocabulary (after vLLM's rejection sampler):
 - *accepted*: a drafted token the target keeps;
 - *recovered*: the token sampled from norm(max(0, p - q)) at the first rejection;
-- *bonus*: the token sampled from p_{γ+1} when every drafted token is accepted.
+- *bonus*: the token sampled from p_{γ+1} when every drafted token is accepted;
+- *post*: (PEARL-style post-verify) a token drafted at the bonus position, on
+  the span's prefix; when every drafted token is accepted it is verified
+  against p_{γ+1} like a drafted token instead of sampling the bonus.
 
 Shapes use: γ = drafted tokens in the span, V = target vocabulary size,
 K = support size of one sparse draft distribution.
@@ -95,21 +98,37 @@ def logit_gaps(logits: torch.Tensor) -> list[float]:
     return (top2[:, 0] - top2[:, 1]).tolist()
 
 
+SparseQ = tuple[np.ndarray, np.ndarray]  # (ids [K], probs [K]): one sparse draft distribution
+
+
 @dataclass(frozen=True)
 class VerifyResult:
     num_accepted: int  # accepted drafted tokens (a prefix of the span)
-    next_token: int  # recovered (rejection) or bonus (all accepted) token
+    next_token: int  # recovered (rejection), bonus or post token (all accepted)
+    # every drafted token accepted and the next token drawn by the target at
+    # the bonus position (plain bonus, or the residual after rejecting the post token)
     is_bonus: bool
+    is_post: bool = False  # the next token is the post token, accepted
 
 
-def greedy_verify(draft_ids: Sequence[int], target_argmax: Sequence[int]) -> VerifyResult:
-    """draft_ids: γ ids; target_argmax: γ+1 argmax ids of the target logits."""
+def greedy_verify(
+    draft_ids: Sequence[int], target_argmax: Sequence[int], post_id: int | None = None
+) -> VerifyResult:
+    """draft_ids: γ ids; target_argmax: γ+1 argmax ids of the target logits;
+    post_id: an optional token drafted at the bonus position.
+
+    The post token is accepted iff it equals the argmax at the bonus position;
+    the next token is that argmax either way, so greedy output does not
+    depend on it (only ``is_post`` does).
+    """
     n = 0
     for d, t in zip(draft_ids, target_argmax):
         if d != t:
             return VerifyResult(n, int(t), False)
         n += 1
-    return VerifyResult(n, int(target_argmax[n]), True)
+    nxt = int(target_argmax[n])
+    is_post = post_id is not None and int(post_id) == nxt
+    return VerifyResult(n, nxt, not is_post, is_post)
 
 
 def sparse_q_dense(
@@ -123,11 +142,73 @@ def sparse_q_dense(
     return q
 
 
+def normalised_q(sparse: SparseQ, where: str) -> SparseQ:
+    """q / Σq (ids [K], probs [K] float64): the distribution the draft's
+    sampler draws from (docs/design.md rule 2: float32 sums are 1 only up to
+    rounding). ValueError when q has no mass."""
+    ids = np.asarray(sparse[0])
+    probs = np.asarray(sparse[1], dtype=np.float64)
+    total_q = float(probs.sum())
+    if not total_q > 0.0:
+        raise ValueError(f"draft q at {where} has no probability mass")
+    return ids, probs / total_q
+
+
+def accept_or_recover(
+    x: int, sparse: SparseQ | None, p: torch.Tensor, generator: torch.Generator, where: str
+) -> tuple[bool, int]:
+    """One drafted token scored against the target row that conditions on
+    exactly the prefix x was drafted on (the standard speculative step).
+
+    x:         the drafted id, sampled from ``sparse``.
+    sparse:    q as (ids [K], probs [K]), renormalised here; None = one-hot q.
+    p:         [V] processed target probabilities at x's position.
+    generator: the request's RNG: one uniform, then (on rejection) one
+               multinomial draw.
+    where:     x's position, for error messages ("position 2", "the post position").
+
+    Returns (True, x) with probability min(1, p(x)/q(x)), else (False, t)
+    with t ~ norm(max(0, p − q)). For x ~ q the returned token is then
+    distributed exactly as p: P(t) = min(q(t), p(t)) + max(0, p(t) − q(t)).
+
+    Raises ValueError for q(x) ≤ 0: x cannot have been sampled from q
+    (docs/design.md rule 7), and accepting it could commit a token the
+    target gives probability 0.
+    """
+    vocab = p.shape[-1]
+    if sparse is None:
+        q_x = 1.0
+    else:
+        sparse = normalised_q(sparse, where)
+        ids, probs = sparse
+        hit = np.nonzero(ids == x)[0]
+        q_x = float(probs[hit[0]]) if hit.size else 0.0
+    if q_x <= 0.0:
+        raise ValueError(f"drafted token {x} at {where} has q(x) = {q_x}: it was not sampled from q")
+    p_x = float(p[x])
+    u = float(torch.rand((), generator=generator))
+    # Accept with probability min(1, p(x)/q(x)).
+    if u * q_x < p_x:
+        return True, x
+    # Rejected: recover from norm(max(0, p - q)).
+    q = (
+        torch.nn.functional.one_hot(torch.tensor(x), vocab).float()
+        if sparse is None
+        else sparse_q_dense(sparse[0], sparse[1], vocab)
+    )
+    residual = torch.clamp(p - q, min=0.0)
+    total = float(residual.sum())
+    if total <= 0.0:  # p == q up to rounding: rejection had ~zero mass
+        residual, total = p, float(p.sum())
+    return False, int(torch.multinomial(residual / total, 1, generator=generator))
+
+
 def rejection_sample(
     draft_ids: Sequence[int],
-    draft_q: Sequence[tuple[np.ndarray, np.ndarray] | None],
+    draft_q: Sequence[SparseQ | None],
     target_probs: torch.Tensor,
     generator: torch.Generator,
+    post: tuple[int, SparseQ | None] | None = None,
 ) -> VerifyResult:
     """Exact speculative verification of one span.
 
@@ -139,49 +220,27 @@ def rejection_sample(
     target_probs: [γ+1, V] processed target probabilities (``process_logits``);
                   row i scores draft_ids[i], row γ gives the bonus.
     generator:    the request's RNG (CPU torch.Generator).
+    post:         optional (x, q): a token drafted at the bonus position on the
+                  span's prefix, and the q it was sampled from (None = one-hot).
+                  Ignored unless every drafted token is accepted; then it is
+                  verified against row γ by :func:`accept_or_recover` instead
+                  of sampling the bonus from row γ. Exact: x is a drafted token
+                  at position γ, drafted on exactly the prefix row γ
+                  conditions on, so the standard accept/residual step emits a
+                  token distributed as p_γ, as the bonus would be.
 
-    Raises ValueError for a drafted token with q(x) ≤ 0: it cannot have been
-    sampled from q (docs/design.md rule 7), and accepting it could commit a
-    token the target gives probability 0.
+    Raises ValueError for a drafted (or post) token with q(x) ≤ 0
+    (see :func:`accept_or_recover`).
     """
     gamma = len(draft_ids)
     p_all = target_probs.float().cpu()
-    vocab = p_all.shape[-1]
     for i in range(gamma):
-        x = int(draft_ids[i])
-        p = p_all[i]  # [V]
-        sparse = draft_q[i]
-        if sparse is None:
-            q_x = 1.0
-        else:
-            ids = np.asarray(sparse[0])
-            probs = np.asarray(sparse[1], dtype=np.float64)
-            total_q = float(probs.sum())
-            if not total_q > 0.0:
-                raise ValueError(f"draft q at position {i} has no probability mass")
-            probs = probs / total_q
-            sparse = (ids, probs)
-            hit = np.nonzero(ids == x)[0]
-            q_x = float(probs[hit[0]]) if hit.size else 0.0
-        if q_x <= 0.0:
-            raise ValueError(f"drafted token {x} at position {i} has q(x) = {q_x}: it was not sampled from q")
-        p_x = float(p[x])
-        u = float(torch.rand((), generator=generator))
-        # Accept with probability min(1, p(x)/q(x)).
-        if u * q_x < p_x:
-            continue
-        # Rejected: recover from norm(max(0, p - q)).
-        q = (
-            torch.nn.functional.one_hot(torch.tensor(x), vocab).float()
-            if sparse is None
-            else sparse_q_dense(sparse[0], sparse[1], vocab)
-        )
-        residual = torch.clamp(p - q, min=0.0)
-        total = float(residual.sum())
-        if total <= 0.0:  # p == q up to rounding: rejection had ~zero mass
-            residual, total = p, float(p.sum())
-        token = int(torch.multinomial(residual / total, 1, generator=generator))
-        return VerifyResult(i, token, False)
+        accepted, token = accept_or_recover(int(draft_ids[i]), draft_q[i], p_all[i], generator, f"position {i}")
+        if not accepted:
+            return VerifyResult(i, token, False)
+    if post is not None:
+        accepted, token = accept_or_recover(int(post[0]), post[1], p_all[gamma], generator, "the post position")
+        return VerifyResult(gamma, token, not accepted, accepted)
     bonus = int(torch.multinomial(p_all[gamma], 1, generator=generator))
     return VerifyResult(gamma, bonus, True)
 

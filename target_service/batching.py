@@ -6,7 +6,8 @@ One dedicated thread owns the model. Calls wait in a bounded FIFO queue
 admissible prefix of the queue as the next batch, waiting at most
 ``batch_window_ms`` after the oldest queued call for more to arrive (calls
 that queued while the previous forward ran are batched at once: natural
-batching). After a batched forward the scheduler also waits, briefly, for
+batching); it does not wait when no other session has sent a call in the last
+``PEER_WINDOW_S`` (a lone stream would only pay the window). After a batched forward the scheduler also waits, briefly, for
 the sessions that forward served to send their next call (``regroup_ms``,
 at most ``regroup_fraction`` of that forward's time): streams that decode in
 lockstep would otherwise drift into alternating half-batches, because their
@@ -140,6 +141,9 @@ class BatchReport:
 class BatchScheduler:
     """Bounded queue + one model thread that batches calls (see module doc)."""
 
+    #: a session that sent a call this recently may send another within the window
+    PEER_WINDOW_S = 2.0
+
     def __init__(
         self,
         name: str,
@@ -159,6 +163,7 @@ class BatchScheduler:
         self._closed = False
         self._expected: set[str] = set()  # sessions served by the last batched forward
         self._regroup_until = 0.0  # wait for them (perf_counter) until then
+        self._last_call: dict[str, float] = {}  # session -> when it last queued a call (perf_counter)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -178,7 +183,11 @@ class BatchScheduler:
                 raise ResourceExhausted("the target model worker is shutting down")
             if self._pending >= self._max_queue:
                 raise ResourceExhausted(f"model queue is full ({self._max_queue} pending requests)")
-            job: _Job[Any] = _Job(loop.create_future(), loop, time.perf_counter(), self._pending, **job_kwargs)
+            now = time.perf_counter()
+            job: _Job[Any] = _Job(loop.create_future(), loop, now, self._pending, **job_kwargs)
+            sid = getattr(job.call, "session_id", "") if job.call is not None else ""
+            if sid:
+                self._last_call[sid] = now
             self._pending += 1
             self._queue.append(job)
             self._cond.notify()
@@ -227,7 +236,7 @@ class BatchScheduler:
                     # full: a limit stopped the prefix, or an exclusive job waits behind it
                     full = n < len(self._queue) or n >= self.limits.max_batch_size
                     now = time.perf_counter()
-                    until = deadline
+                    until = deadline if self._peers(now, calls) else now
                     if now < self._regroup_until and not self._expected <= {c.session_id for c in calls}:
                         until = max(until, self._regroup_until)  # the last batch's sessions are coming back
                     remaining = until - now
@@ -241,6 +250,23 @@ class BatchScheduler:
                 self._pending -= len(batch) - len(live)
                 if live:
                     return live
+
+    def forget(self, session_id: str) -> None:
+        """A released session sends no more calls: stop waiting for it."""
+        with self._cond:
+            self._last_call.pop(session_id, None)
+
+    def _peers(self, now: float, calls: Sequence[BatchCall]) -> bool:
+        """Whether a session other than those of ``calls`` sent a call in
+        the last PEER_WINDOW_S, so waiting for the window may batch it
+        (called with the lock held; forgets sessions gone quiet)."""
+        queued = {c.session_id for c in calls}
+        for sid, at in list(self._last_call.items()):
+            if now - at > self.PEER_WINDOW_S:
+                del self._last_call[sid]
+            elif sid not in queued:
+                return True
+        return not all(queued)  # a new session (prefill) may be one of several arriving together
 
     def _loop(self) -> None:
         while True:
@@ -268,6 +294,10 @@ class BatchScheduler:
                 outs = [(e, None)] * len(jobs)
             ended = time.perf_counter()
             with self._cond:
+                for out, _ in outs:  # sessions a prefill just created are peers from now on
+                    sid = getattr(out, "session_id", "")
+                    if isinstance(sid, str) and sid:
+                        self._last_call.setdefault(sid, ended)
                 self._expected = {c.session_id for c in calls if c.session_id}
                 self._regroup_until = ended + self.limits.regroup_wait_s(ended - started)
             infos = {id(info): info for _, info in outs if info is not None and info.batch_size}

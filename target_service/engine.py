@@ -29,6 +29,7 @@ from specdec.logging_util import log
 from target_service.backends import apply_backend, load_dtype, set_compute_threads
 from specdec.sampling import (
     SamplingConfig,
+    SparseQ,
     VerifyResult,
     greedy_verify,
     logit_gaps,
@@ -41,8 +42,6 @@ from specdec.sampling import (
 logger = logging.getLogger("specdec.target")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-SparseQ = tuple[np.ndarray, np.ndarray]
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -188,6 +187,10 @@ class VerifyCall:
     new_ids: list[int]
     draft_ids: list[int]
     draft_q: list[SparseQ | None]
+    # post-verify: a token drafted at the bonus position on the span's prefix,
+    # and its q (None = one-hot); never fed into the cache
+    post_id: int | None = None
+    post_q: SparseQ | None = None
 
     @property
     def past_len(self) -> int:
@@ -346,31 +349,39 @@ class TargetEngine:
                 f"draft_probs has {len(draft_q)} entries for {len(draft_ids)} drafted tokens (must match, or be empty for one-hot q)"
             )
         for i, (x, q) in enumerate(zip(draft_ids, draft_q)):
-            if q is None:
-                continue
-            ids, probs = q
-            if ids.shape[0] == 0 or ids.shape != probs.shape:
-                raise InvalidArgument(
-                    f"draft_probs[{i}]: token_ids ({ids.shape[0]}) and probs ({probs.shape[0]}) must be non-empty and of equal length"
-                )
-            if ids.shape[0] > self.max_draft_support:
-                raise InvalidArgument(
-                    f"draft_probs[{i}]: support of {ids.shape[0]} exceeds the limit {self.max_draft_support}"
-                )
-            if ids.min() < 0 or ids.max() >= self.vocab_size:
-                raise InvalidArgument(f"draft_probs[{i}]: token id outside the vocabulary [0, {self.vocab_size})")
-            if np.unique(ids).shape[0] != ids.shape[0]:
-                raise InvalidArgument(f"draft_probs[{i}]: duplicate token ids")
-            if not np.all(np.isfinite(probs)) or probs.min() < 0:
-                raise InvalidArgument(f"draft_probs[{i}]: probabilities must be finite and >= 0")
-            total = float(probs.astype(np.float64).sum())
-            if not math.isclose(total, 1.0, abs_tol=1e-3):
-                raise InvalidArgument(f"draft_probs[{i}]: probabilities sum to {total:.6f}, not 1")
-            hit = np.nonzero(ids == x)[0]
-            if hit.size == 0 or probs[hit[0]] <= 0:
-                raise InvalidArgument(
-                    f"draft_probs[{i}]: drafted token {x} has zero probability under its own q"
-                )
+            if q is not None:
+                self.check_q(x, q, f"draft_probs[{i}]", "drafted token")
+
+    def check_q(self, x: int, q: SparseQ, name: str, role: str) -> None:
+        """One sparse q (docs/design.md rule 2) and the token ``x`` sampled
+        from it; ``name`` is the request field in messages, ``role`` names x."""
+        ids, probs = q
+        if ids.shape[0] == 0 or ids.shape != probs.shape:
+            raise InvalidArgument(
+                f"{name}: token_ids ({ids.shape[0]}) and probs ({probs.shape[0]}) must be non-empty and of equal length"
+            )
+        if ids.shape[0] > self.max_draft_support:
+            raise InvalidArgument(f"{name}: support of {ids.shape[0]} exceeds the limit {self.max_draft_support}")
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise InvalidArgument(f"{name}: token id outside the vocabulary [0, {self.vocab_size})")
+        if np.unique(ids).shape[0] != ids.shape[0]:
+            raise InvalidArgument(f"{name}: duplicate token ids")
+        if not np.all(np.isfinite(probs)) or probs.min() < 0:
+            raise InvalidArgument(f"{name}: probabilities must be finite and >= 0")
+        total = float(probs.astype(np.float64).sum())
+        if not math.isclose(total, 1.0, abs_tol=1e-3):
+            raise InvalidArgument(f"{name}: probabilities sum to {total:.6f}, not 1")
+        hit = np.nonzero(ids == x)[0]
+        if hit.size == 0 or probs[hit[0]] <= 0:
+            raise InvalidArgument(f"{name}: {role} {x} has zero probability under its own q")
+
+    def check_post(self, post_id: int, post_q: SparseQ | None, greedy: bool) -> None:
+        """The post-verify token: in the vocabulary; on a sampled session its
+        q passes the draft q checks (a greedy session ignores q)."""
+        if post_id < 0 or post_id >= self.vocab_size:
+            raise InvalidArgument(f"post_token_id {post_id} is outside the vocabulary [0, {self.vocab_size})")
+        if not greedy and post_q is not None:
+            self.check_q(post_id, post_q, "post_prob", "post token")
 
     # ---------------------------------------------------------------- compute
     @torch.inference_mode()
@@ -514,6 +525,8 @@ class TargetEngine:
         self.check_token_ids(draft_ids, "draft_token_ids")
         if not sess.cfg.greedy:
             self.check_draft_q(draft_ids, call.draft_q)
+        if call.post_id is not None:
+            self.check_post(call.post_id, call.post_q, sess.cfg.greedy)
         if call.cache_len != sess.cache_len:
             raise FailedPrecondition(
                 f"cache_len mismatch: session holds {sess.cache_len} tokens, request assumes {call.cache_len}"
@@ -538,18 +551,19 @@ class TargetEngine:
         return PrefillOutcome(sess.session_id, nxt, gap, sess.cache_len)
 
     def _finish_verify(self, row: _Row, rows: torch.Tensor) -> VerifyOutcome:
-        """``rows``: [γ+1, V] logits; row i scores draft_ids[i], row γ the bonus."""
+        """``rows``: [γ+1, V] logits; row i scores draft_ids[i], row γ the
+        bonus (or, when every drafted token is accepted, the post token)."""
         sess, call = row.sess, row.call
         assert isinstance(call, VerifyCall)
         draft_ids = call.draft_ids
         gamma = len(draft_ids)
         if sess.cfg.greedy:
-            res = greedy_verify(draft_ids, torch.argmax(rows, dim=-1).tolist())
-        elif gamma == 0:
-            res = VerifyResult(0, self._pick(rows[0], sess), True)
+            res = greedy_verify(draft_ids, torch.argmax(rows, dim=-1).tolist(), call.post_id)
         else:
+            # γ = 0 without a post token: one multinomial draw from row 0, as plain sampling
             probs = process_logits(rows, sess.cfg)
-            res = rejection_sample(draft_ids, call.draft_q, probs, sess.generator)
+            post = None if call.post_id is None else (call.post_id, call.post_q)
+            res = rejection_sample(draft_ids, call.draft_q, probs, sess.generator, post)
         keep = sess.cache_len + len(call.new_ids) + res.num_accepted
         written = sess.cache_len + len(call.new_ids) + gamma
         if written > keep:
@@ -658,6 +672,8 @@ class TargetEngine:
         new_ids: Sequence[int],
         draft_ids: Sequence[int],
         draft_q: Sequence[SparseQ | None],
+        post_id: int | None = None,
+        post_q: SparseQ | None = None,
     ) -> VerifyOutcome:
         """Runs new_ids + draft_ids through the model in one pass and verifies the span.
 
@@ -665,8 +681,15 @@ class TargetEngine:
         ...; row γ (after the last drafted token) gives the bonus. The cache
         keeps new_ids + the accepted prefix; the next token is *not* cached
         (the caller sends it as the next round's new_ids).
+
+        ``post_id`` (with its q, None = one-hot): a token drafted at the bonus
+        position; when the whole span is accepted it is verified against row
+        γ instead of sampling the bonus (``result.is_post`` when accepted). It
+        is not fed into the cache, so cache_len is as without it.
         """
-        out = self._one(VerifyCall(session_id, cache_len, list(new_ids), list(draft_ids), list(draft_q)))
+        out = self._one(
+            VerifyCall(session_id, cache_len, list(new_ids), list(draft_ids), list(draft_q), post_id, post_q)
+        )
         assert isinstance(out, VerifyOutcome)
         return out
 

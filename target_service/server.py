@@ -54,6 +54,17 @@ def _sparse_q(msgs: object) -> list[SparseQ | None]:
     ]
 
 
+def _post(request: target_pb2.VerifyRequest) -> tuple[int | None, SparseQ | None]:
+    """The post-verify token and its q: (None, None) without ``has_post_token``;
+    an empty ``post_prob`` (no token_ids, no probs) is one-hot q (None); a
+    half-filled one is passed on for the engine's q checks to refuse."""
+    if not request.has_post_token:
+        return None, None
+    m = request.post_prob
+    q = _sparse_q([m])[0] if (m.token_ids or m.probs) else None
+    return int(request.post_token_id), q
+
+
 class TargetServicer(target_pb2_grpc.TargetServicer):
     """Answers UNAVAILABLE until ``engine`` is set (the model is loading).
     Prefill and Verify go through the batch scheduler; other model jobs run
@@ -153,9 +164,11 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         q = _sparse_q(request.draft_probs)
         if not q:
             q = [None] * len(draft_ids)  # a drafter without probabilities: one-hot q
+        post_id, post_q = _post(request)
         self.engine  # UNAVAILABLE while loading
         out, t = await self.worker.submit(
-            VerifyCall(request.session_id, int(request.cache_len), list(request.new_token_ids), draft_ids, q)
+            VerifyCall(request.session_id, int(request.cache_len), list(request.new_token_ids), draft_ids, q,
+                       post_id, post_q)
         )
         assert isinstance(out, VerifyOutcome)
         self.metrics.observe("verify", len(request.new_token_ids) + len(draft_ids), t.queue_ms, t.compute_ms)
@@ -164,6 +177,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             num_accepted=out.result.num_accepted,
             next_token_id=out.result.next_token,
             next_is_bonus=out.result.is_bonus,
+            next_is_post=out.result.is_post,
             cache_len=out.cache_len,
             logit_gaps=out.logit_gaps,
             timings=_timings(t),
@@ -179,6 +193,9 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         if not request.session_id:
             raise InvalidArgument("session_id is required")
         released, _ = await self.worker.run(self.engine.release, request.session_id)
+        forget = getattr(self.worker, "forget", None)
+        if forget is not None:
+            forget(request.session_id)  # no longer a peer worth a batch window
         self._gauges()
         return common_pb2.ReleaseResponse(released=released)
 

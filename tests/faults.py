@@ -6,6 +6,7 @@ an impostor drafter).
 
     proxy = await FaultyProxy.start("specdec.v1.Draft", real_address)
     proxy.on_response["Propose"] = lambda req, resp: ...  # mutate or replace
+    proxy.on_event["Session"] = lambda event: ...  # a streamed event: mutate, replace, or None to drop
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class FaultyProxy:
     # method -> hook(request, response) returning the response to send back
     on_response: dict[str, Hook] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
+    # streaming method -> hook(event) returning the event to send on (None drops it; may be awaitable)
+    on_event: dict[str, Hook] = field(default_factory=dict)
 
     @property
     def address(self) -> str:
@@ -58,8 +61,10 @@ class FaultyProxy:
         for m in desc.methods:
             req_cls = message_factory.GetMessageClass(m.input_type)
             resp_cls = message_factory.GetMessageClass(m.output_type)
-            handlers[m.name] = grpc.unary_unary_rpc_method_handler(
-                proxy._forwarder(m.name, req_cls, resp_cls),
+            make = grpc.stream_stream_rpc_method_handler if m.client_streaming else grpc.unary_unary_rpc_method_handler
+            forwarder = proxy._stream_forwarder if m.client_streaming else proxy._forwarder
+            handlers[m.name] = make(
+                forwarder(m.name, req_cls, resp_cls),
                 request_deserializer=req_cls.FromString,
                 response_serializer=resp_cls.SerializeToString,
             )
@@ -88,6 +93,28 @@ class FaultyProxy:
             if name in self.on_response:
                 response = await _maybe(self.on_response[name](request, response))
             return response
+
+        return forward
+
+    def _stream_forwarder(self, name: str, req_cls: Any, resp_cls: Any) -> Callable[[Any, Any], Any]:
+        call_upstream = self.upstream.stream_stream(f"/{self.service}/{name}",
+                                                    request_serializer=req_cls.SerializeToString,
+                                                    response_deserializer=resp_cls.FromString)
+
+        async def forward(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            call = call_upstream(requests)
+            try:
+                async for event in call:
+                    if name in self.on_event:
+                        event = await _maybe(self.on_event[name](event))
+                        if event is None:
+                            continue
+                    yield event
+            except grpc.aio.AioRpcError as e:
+                await context.abort(e.code(), e.details() or "")
+            finally:
+                call.cancel()
 
         return forward
 

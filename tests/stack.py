@@ -187,6 +187,7 @@ def make_request(
     stop: list[str] | None = None,
     ignore_eos: bool = True,
     min_confidence: float = 0.0,
+    draft_mode: str = "",
 ) -> pb.GenerateRequest:
     modes = {"auto": pb.SPECULATION_MODE_AUTO, "off": pb.SPECULATION_MODE_OFF, "fixed": pb.SPECULATION_MODE_FIXED,
              "heuristic": pb.SPECULATION_MODE_HEURISTIC}
@@ -197,7 +198,7 @@ def make_request(
         stop=stop or [],
         ignore_eos=ignore_eos,
         speculation=pb.SpeculationConfig(mode=modes[mode], num_draft_tokens=gamma, drafter=drafter,
-                                         min_confidence=min_confidence),
+                                         min_confidence=min_confidence, draft_mode=draft_mode),
     )
     req.sampling.temperature = temperature
     req.sampling.top_p = top_p

@@ -101,6 +101,38 @@ def test_regroup_keeps_lockstep_streams_in_one_batch() -> None:
     assert sum(len(b) for b in short) == 6 and ["s0", "s1"] in short
 
 
+def test_a_lone_session_does_not_wait_for_the_batch_window() -> None:
+    """With a 400 ms window: a session alone on the target is served at once
+    (no other session could join its batch), a second active session makes
+    the window wait for it again, and a released session stops counting."""
+    batches: list[list[str]] = []
+
+    def runner(calls: Any) -> list[tuple[Any, _Info]]:
+        batches.append(sorted(c.session_id for c in calls))
+        info = _Info(len(calls))
+        return [(c.session_id, info) for c in calls]
+
+    sched = BatchScheduler("test-lone", limits=BatchLimits(batch_window_ms=400.0, regroup_ms=0.0))
+    sched.attach(runner)
+
+    async def main() -> tuple[list[float], list[float]]:
+        alone = [(await sched.submit(_C("a", 10, 1)))[1].queue_ms for _ in range(3)]
+        first = asyncio.ensure_future(sched.submit(_C("b", 10, 1)))  # b is new: a is a peer, so b waits
+        await asyncio.sleep(0.05)
+        together = await asyncio.gather(first, sched.submit(_C("a", 10, 1)))
+        sched.forget("b")
+        sched.forget("a")
+        return alone, [t.queue_ms for _, t in together] + [(await sched.submit(_C("a", 10, 1)))[1].queue_ms]
+
+    try:
+        alone, rest = asyncio.run(main())
+    finally:
+        sched.shutdown()
+    assert max(alone) < 200, alone  # not the 400 ms window
+    assert ["a", "b"] in batches  # the window still batches two active sessions
+    assert rest[-1] < 200, rest  # both released: a new call is alone again
+
+
 def test_batch_limits_validate_regroup() -> None:
     with pytest.raises(ValueError, match="regroup_ms"):
         BatchLimits(regroup_ms=-1.0).validate()

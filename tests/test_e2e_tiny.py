@@ -41,11 +41,16 @@ PROMPTS = ["hello world", "the quick brown fox", "a, b, c."]
 
 # ------------------------------------------------------------ greedy equality
 @pytest.mark.parametrize("gamma", [1, 2, 4, 8])
-def test_greedy_speculative_equals_off(stack: Stack, far_stack: Stack, gamma: int) -> None:
+@pytest.mark.parametrize("draft_mode", ["unary", "stream", "run-ahead"])
+def test_greedy_speculative_equals_off(stack: Stack, far_stack: Stack, gamma: int, draft_mode: str) -> None:
+    """Greedy output is the target's own in every draft mode: a Propose call
+    per round, one draft stream per request, and the stream running ahead
+    (with post-verify at the bonus position)."""
     for st in (stack, far_stack):
         for prompt in PROMPTS:
             off = st.generate(prompt=prompt, mode="off", max_new_tokens=40)
-            spec = st.generate(prompt=prompt, mode="fixed", gamma=gamma, max_new_tokens=40)
+            spec = st.generate(prompt=prompt, mode="fixed", gamma=gamma, max_new_tokens=40, draft_mode=draft_mode)
+            assert spec["stats"].draft_mode == draft_mode
             assert spec["token_ids"] == off["token_ids"], (prompt, gamma)
             assert spec["text"] == off["text"]
             assert len(spec["token_ids"]) == 40
@@ -173,6 +178,58 @@ def exact_sequence_distribution(model_dir: Path, prompt: list[int], length: int,
     return dist
 
 
+PIT_BINS = 20
+
+
+def pit_counts(
+    model_dir: Path, prompt: list[int], sequences: list[list[int]], cfg: SamplingConfig, seed: int = 0
+) -> np.ndarray:
+    """Randomized probability integral transform of every generated token
+    under the target's exact conditional distribution at its position, in
+    ``PIT_BINS`` equal bins. With tokens ranked by decreasing probability,
+    u = P(tokens ranked before t) + V · p(t), V ~ U(0, 1): u is exactly
+    uniform when t ~ p(· | prefix), and the u of one sequence are
+    independent (Rosenblatt: each is uniform given everything before it), so
+    every generated token of every request is one i.i.d. uniform sample. A
+    sampler that favours the most likely tokens fills the first bins, one
+    that flattens p the last ones. ``p`` is computed by one forward pass per
+    sequence (float64 after ``process_logits``)."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    rng = np.random.default_rng(seed)
+    counts = np.zeros(PIT_BINS)
+    with torch.no_grad():
+        for seq in sequences:
+            ids = torch.tensor([prompt + seq[:-1]])
+            logits = model(ids).logits[0, len(prompt) - 1 :]  # [L, V]
+            probs = process_logits(logits, cfg).double().numpy()
+            for j, t in enumerate(seq):
+                p = probs[j]
+                order = np.lexsort((np.arange(p.shape[0]), -p))  # decreasing p, ties by id
+                rank = int(np.nonzero(order == t)[0][0])
+                u = float(p[order[:rank]].sum()) + rng.random() * float(p[t])
+                counts[min(PIT_BINS - 1, int(u * PIT_BINS))] += 1
+    return counts
+
+
+def sample_sequences(
+    stack: Stack, prompt: list[int], n: int, length: int, cfg: SamplingConfig, threads: int = 4, **spec: object
+) -> tuple[list[list[int]], list[pb.GenerationStats]]:
+    """``n`` seeded generations of ``length`` tokens through the services,
+    ``threads`` at a time (the target batches them)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    stub = stack.orch_stub()
+
+    def one(seed: int) -> tuple[list[int], pb.GenerationStats]:
+        r = stack.generate(stub, prompt_token_ids=prompt, max_new_tokens=length, temperature=cfg.temperature,
+                           top_p=cfg.top_p, top_k=cfg.top_k, seed=seed, **spec)
+        return r["token_ids"], r["stats"]
+
+    with ThreadPoolExecutor(threads) as pool:
+        out = list(pool.map(one, range(n)))
+    return [o[0] for o in out], [o[1] for o in out]
+
+
 def control_config(cfg: SamplingConfig) -> SamplingConfig:
     """The sampling settings of a negative control: with truncation (top-k,
     top-p), the same temperature without it (a sampler that dropped the
@@ -224,6 +281,38 @@ def test_sampled_sequences_match_exact_target_distribution(small_stack: tuple[St
     # that lost its truncation or its temperature must fail
     wrong = exact_sequence_distribution(target_dir, prompt, length, control_config(cfg))
     assert_detects(counts, np.array([wrong[s] for s in outcomes]))
+    stack.wait_no_sessions()
+
+
+# 400 requests × 50 tokens = 20,000 uniform samples in 20 bins: a shift of
+# 0.0093 of probability mass between two bins is detected with probability
+# 0.99 (chi-square at p < 1e-4, 19 degrees of freedom; detectable_shift).
+PIT_REQUESTS, PIT_LENGTH = 400, 50
+
+
+@pytest.mark.statistical
+def test_run_ahead_sampling_has_the_targets_distribution_at_every_position(stack: Stack, tiny_models) -> None:  # type: ignore[no-untyped-def]
+    """Long sampled generations with run-ahead on (the draft drafts past each
+    span while the target verifies it; chains that survive a round are
+    verified later; the token at the bonus position is post-verified): every
+    generated token, at every position, follows the target's exact
+    conditional distribution (randomized PIT, ``pit_counts``). Power: a shift
+    of 0.0093 of mass between two of the 20 PIT bins (the most likely tokens
+    fill the first) is detected with probability 0.99. The run must have
+    post-verified tokens, kept run-ahead chains and rejections. Negative
+    control: the same tokens scored against the sampler at a 25 % higher
+    temperature must fail."""
+    cfg = SamplingConfig(temperature=1.0)
+    prompt = [5, 6, 7]
+    seqs, stats = sample_sequences(stack, prompt, PIT_REQUESTS, PIT_LENGTH, cfg, mode="fixed", gamma=3,
+                                   draft_mode="run-ahead")
+    assert all(s.draft_mode == "run-ahead" and s.draft_failures == 0 for s in stats)
+    assert sum(s.post_verified for s in stats) > 100  # the post-verify case is exercised
+    assert sum(s.draft_hidden_ms for s in stats) > 0  # run-ahead tokens were verified
+    assert 0 < sum(s.accepted_tokens for s in stats) < sum(s.draft_tokens for s in stats)
+    counts = pit_counts(tiny_models.target, prompt, seqs, cfg)
+    assert_matches(counts, np.full(PIT_BINS, 1 / PIT_BINS))
+    assert_detects(pit_counts(tiny_models.target, prompt, seqs, control_config(cfg)), np.full(PIT_BINS, 1 / PIT_BINS))
     stack.wait_no_sessions()
 
 

@@ -21,7 +21,12 @@ from tests.test_e2e_tiny import exact_sequence_distribution
 from tests.test_sampling import assert_matches
 
 
-def faulty_stack(target: Path, draft: Path, cache: Path, setup: Any = None) -> tuple[Stack, dict[str, FaultyProxy]]:
+def faulty_stack(
+    target: Path, draft: Path, cache: Path, setup: Any = None, draft_mode: str = "unary", **orchestrator: Any
+) -> tuple[Stack, dict[str, FaultyProxy]]:
+    """Real services behind fault proxies. ``draft_mode`` is the
+    orchestrator's default: "unary" for the tests that rewrite Propose calls,
+    "stream" / "run-ahead" for those that rewrite Session events."""
     proxies: dict[str, FaultyProxy] = {}
 
     async def interpose(t: str, d: str) -> tuple[str, str]:
@@ -31,7 +36,8 @@ def faulty_stack(target: Path, draft: Path, cache: Path, setup: Any = None) -> t
             setup(proxies)
         return proxies["target"].address, proxies["draft"].address
 
-    return start_stack(target, draft, cache, interpose=interpose), proxies
+    overrides = {"draft_mode": draft_mode, **orchestrator}
+    return start_stack(target, draft, cache, interpose=interpose, orchestrator_overrides=overrides), proxies
 
 
 def close(stack: Stack, proxies: dict[str, FaultyProxy]) -> None:
@@ -47,16 +53,19 @@ def faulty(tiny_models, onnx_cache_dir: Path):  # type: ignore[no-untyped-def]
     close(st, proxies)
 
 
+def _clear(proxies: dict[str, FaultyProxy]) -> None:
+    for p in proxies.values():
+        p.on_request.clear()
+        p.on_response.clear()
+        p.on_event.clear()
+
+
 @pytest.fixture
 def clean(faulty):  # type: ignore[no-untyped-def]
     st, proxies = faulty
-    for p in proxies.values():
-        p.on_request.clear()
-        p.on_response.clear()
+    _clear(proxies)
     yield st, proxies
-    for p in proxies.values():
-        p.on_request.clear()
-        p.on_response.clear()
+    _clear(proxies)
     st.wait_no_sessions()
 
 
@@ -170,6 +179,111 @@ def test_a_drafter_with_another_vocabulary_is_refused_by_name(tiny_models, onnx_
         close(stack, proxies)
 
 
+# ------------------------------------------------------- draft stream faults
+# Over a Session stream (run-ahead on), a faulty draft never ends the user's
+# stream either: each case finishes with the target-only output.
+STALL_S = 0.5  # the orchestrator's draft_timeout_s in these tests: a stalled stream is given up after it
+
+
+@pytest.fixture(scope="module")
+def stream_faulty(tiny_models, onnx_cache_dir: Path):  # type: ignore[no-untyped-def]
+    st, proxies = faulty_stack(tiny_models.target, tiny_models.draft, onnx_cache_dir, draft_mode="run-ahead",
+                               draft_timeout_s=STALL_S, draft_retry_after_rounds=2)
+    yield st, proxies
+    close(st, proxies)
+
+
+@pytest.fixture
+def stream_clean(stream_faulty):  # type: ignore[no-untyped-def]
+    st, proxies = stream_faulty
+    _clear(proxies)
+    yield st, proxies
+    _clear(proxies)
+    st.wait_no_sessions()
+
+
+def _token_fault(edit: Any) -> Any:
+    """A Session event hook that applies ``edit`` to drafted tokens (from the
+    third event on, so the stream opens and drafts normally at first)."""
+    seen = {"n": 0}
+
+    def hook(event: Any) -> Any:
+        seen["n"] += 1
+        if event.WhichOneof("kind") != "token" or seen["n"] < 3:
+            return event
+        return edit(event)
+
+    return hook
+
+
+def _ev_out_of_vocab(ev: Any) -> Any:
+    ev.token.token_id = 10_000
+    return ev
+
+
+def _ev_bad_q(ev: Any) -> Any:
+    for i in range(len(ev.token.prob.probs)):
+        ev.token.prob.probs[i] *= 0.5  # sums to 0.5: not a distribution
+    return ev
+
+
+def _ev_wrong_position(ev: Any) -> Any:
+    ev.token.position += 3
+    return ev
+
+
+def _ev_unknown_version(ev: Any) -> Any:
+    ev.token.version += 100  # a prefix version the orchestrator never committed
+    return ev
+
+
+def _ev_old_version(ev: Any) -> Any:
+    ev.token.version = 0  # every token claims the open's prefix, whatever it was drafted on
+    return ev
+
+
+def _ev_stall(ev: Any) -> None:
+    return None  # the stream stays open but sends nothing more
+
+
+@pytest.mark.parametrize(
+    "edit", [_ev_out_of_vocab, _ev_bad_q, _ev_wrong_position, _ev_unknown_version, _ev_old_version, _ev_stall],
+    ids=["ids", "q", "position", "unknown-version", "old-version", "stall"],
+)
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_a_faulty_draft_stream_never_changes_the_output(stream_clean, edit, sampled) -> None:  # type: ignore[no-untyped-def]
+    """Garbage on the stream (ids outside the vocabulary, a q that is not a
+    distribution, wrong positions, unknown or stale prefix versions) and a
+    stream that stalls: the request finishes with the target-only output
+    (greedy: the same tokens; seeded: the faulty spans are refused or never
+    verified, so the same seeded target-only draws) and counts the fallback."""
+    stack, proxies = stream_clean
+    kw: dict[str, Any] = dict(prompt="the quick brown fox", max_new_tokens=24)
+    if sampled:
+        kw.update(temperature=1.0, seed=5)
+    off = stack.generate(mode="off", **kw)
+    proxies["draft"].on_event["Session"] = _token_fault(edit)
+    spec = stack.generate(mode="fixed", gamma=3, **kw)
+    if not sampled or edit in (_ev_bad_q, _ev_out_of_vocab, _ev_stall, _ev_wrong_position, _ev_unknown_version):
+        assert spec["token_ids"] == off["token_ids"]
+    assert spec["finish_reason"] == off["finish_reason"]
+    if sampled or edit is not _ev_bad_q:  # greedy verification never reads q
+        assert spec["stats"].draft_failures >= 1
+    assert spec["stats"].draft_mode == "run-ahead"
+
+
+def test_a_stalled_stream_costs_the_timeout_not_the_request(stream_clean) -> None:  # type: ignore[no-untyped-def]
+    """A draft that stops sending mid-request: each stall is given up after
+    draft_timeout_s and the request goes on target-only, then reopens a
+    stream (which stalls again here) after draft_retry_after_rounds."""
+    stack, proxies = stream_clean
+    proxies["draft"].on_event["Session"] = _token_fault(_ev_stall)
+    spec = stack.generate(prompt="stall", mode="fixed", gamma=3, max_new_tokens=12)
+    s = spec["stats"]
+    assert len(spec["token_ids"]) == 12 and s.draft_failures >= 1
+    assert s.total_ms < (s.draft_failures + 1) * STALL_S * 1e3 + 10_000
+
+
 # ------------------------------------------------- recreated draft sessions
 # Power of the marginal test below (N = 1500 requests, 36 outcomes of
 # (t1, t3), chi-square at p < 1e-4 after merging bins with expected < 5): a
@@ -231,6 +345,7 @@ def _marginal_t1_t3(small_stack: Stack, small_target: Path, n: int) -> tuple[np.
 
 @pytest.fixture(scope="module")
 def small_faulty(tiny_models, onnx_cache_dir: Path):  # type: ignore[no-untyped-def]
+    # unary: the faults below rewrite Propose and CreateSession calls
     st, proxies = faulty_stack(tiny_models.small_target, tiny_models.small_draft, onnx_cache_dir)
     yield st, proxies, tiny_models.small_target
     close(st, proxies)
@@ -246,8 +361,7 @@ def _sample_marginal(small_faulty: Any, fault: Any) -> tuple[np.ndarray, np.ndar
         counts, expected = _marginal_t1_t3(stack, target, RECREATE_N)
         return counts, expected, proxies["draft"].calls.get("CreateSession", 0) - created_before
     finally:
-        proxies["draft"].on_request.clear()
-        proxies["draft"].on_response.clear()
+        _clear(proxies)
         stack.wait_no_sessions()
 
 

@@ -22,6 +22,7 @@ from scipy.stats import chi2, chisquare, ncx2
 
 from specdec.sampling import (
     SamplingConfig,
+    VerifyResult,
     draft_distribution,
     greedy_verify,
     make_generator,
@@ -81,6 +82,8 @@ def test_stated_detectable_shifts() -> None:
     assert detectable_shift(6_000, 1 / 6, 5) == pytest.approx(0.0263, abs=5e-4)
     assert detectable_shift(667, 1 / 6, 5) == pytest.approx(0.079, abs=1e-3)
     assert detectable_shift(2_500, 0.05, 40) == pytest.approx(0.029, abs=1e-3)
+    assert detectable_shift(20_000, 1 / 20, 19) == pytest.approx(0.0093, abs=3e-4)  # the run-ahead PIT tests
+    assert detectable_shift(40_000, 0.080, 35) == pytest.approx(0.0091, abs=3e-4)
 
 
 def hf_reference(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
@@ -384,3 +387,131 @@ def test_draft_distribution_is_what_sample_sparse_draws() -> None:
 def test_invalid_sampling_values_are_rejected(kwargs: dict) -> None:
     with pytest.raises(InvalidArgument):
         SamplingConfig(**kwargs).validate()
+
+
+# ------------------------------------------------------------- post-verify
+def _post_verify_joint(
+    post_kind: str, n: int, seed: int, told_q_prefix_shift: int = 0, post_row_off_by_one: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Generates (t1, t2) by PEARL-style rounds against a context-dependent
+    target: p_1 for the first token and p_2(· | t1) for the second, drafts
+    from q_1 and q_2(· | prefix). Round one verifies a γ=1 span x0 ~ q_1 plus
+    a post token x ~ q_2(· | x0) (drafted on the span's prefix) against rows
+    [p_1, p_2(· | x0)]; when x0 is rejected, t1 is the recovered token and
+    round two is γ=0 with a post token x ~ q_2(· | t1) checked against
+    p_2(· | t1). ``post_kind``: "sampled" (x from a dense q, sent) or
+    "onehot" (x the draft's argmax, q one-hot). Returns (counts [V*V],
+    exact p_1(t1) · p_2(t2 | t1)).
+
+    Wrong variants (negative controls): ``told_q_prefix_shift`` tells the
+    verifier the post q of another prefix (not the q x was sampled from);
+    ``post_row_off_by_one`` checks the γ=1 round's post token against row
+    γ−1 (p_1) instead of row γ.
+    """
+    vocab = 6
+    g = torch.Generator().manual_seed(11)
+    t_logits = torch.randn(1 + vocab, vocab, generator=g) * 0.5  # row 0: p_1; row 1 + t: p_2(· | t)
+    p = process_logits(t_logits, SamplingConfig(temperature=1.0))
+    d_logits = (t_logits + torch.randn(1 + vocab, vocab, generator=g)).numpy()
+    qs = [draft_distribution(d_logits[i], SamplingConfig(temperature=1.0), 64) for i in range(1 + vocab)]
+    p1, p2 = p[0], p[1:]
+    span_rows = [torch.stack([p1, p1 if post_row_off_by_one else p2[t]]) for t in range(vocab)]
+    rng = np.random.default_rng(seed)
+    gen = make_generator(seed + 1)
+
+    def draft_post(prefix: int) -> tuple[int, tuple[int, tuple[np.ndarray, np.ndarray] | None]]:
+        """The drafted post token on ``prefix`` and the (x, q) the verifier is told."""
+        if post_kind == "onehot":
+            x = int(np.argmax(d_logits[1 + prefix]))
+            return x, (x, None)
+        x = sample_sparse(*qs[1 + prefix], rng)
+        return x, (x, qs[1 + (prefix + told_q_prefix_shift) % vocab])
+
+    joint = np.zeros((vocab, vocab))
+    for _ in range(n):
+        x0 = sample_sparse(*qs[0], rng)
+        _, post = draft_post(x0)
+        res = rejection_sample([x0], [qs[0]], span_rows[x0], gen, post=post)
+        if res.num_accepted:
+            t1, t2 = x0, res.next_token
+        else:
+            t1 = res.next_token
+            _, post = draft_post(t1)
+            t2 = rejection_sample([], [], p2[t1][None], gen, post=post).next_token
+        joint[t1, t2] += 1
+    expected = (p1[:, None] * p2).double().numpy()
+    return joint.ravel(), expected.ravel()
+
+
+@pytest.mark.parametrize("post_kind", ["sampled", "onehot"])
+def test_post_verify_joint_distribution(post_kind: str) -> None:
+    """Post-verify is exact: the post token is a drafted token at position γ,
+    drafted on exactly the prefix row γ conditions on, so accepting it with
+    min(1, p/q) or else sampling norm(max(0, p − q)) emits p_γ exactly, as an
+    independent bonus would. The pair (t1, t2) from a γ=1 span + post token
+    (and γ=0 + post token after a rejection) follows p_1(t1) · p_2(t2 | t1):
+    36 outcomes, n = 40,000, chi-square at p < 1e-4; detects a shift of
+    0.0091 of mass between outcomes of the largest probability (0.080) with
+    probability 0.99 (λ = n · 2Δ² / p = 82 at 35 degrees of freedom)."""
+    counts, expected = _post_verify_joint(post_kind, 40_000, seed=21)
+    assert expected.max() == pytest.approx(0.080, abs=1e-3)
+    assert detectable_shift(40_000, expected.max(), 35) == pytest.approx(0.0091, abs=2e-4)
+    assert_matches(counts, expected)
+
+
+def test_negative_control_post_verify_against_the_wrong_q_is_detected() -> None:
+    """The same rounds, but the post token verified against the q drafted on
+    another prefix (not the one it was sampled from): the joint test must
+    fail, at a tenth of the samples."""
+    counts, expected = _post_verify_joint("sampled", 4_000, seed=21, told_q_prefix_shift=1)
+    assert_detects(counts, expected)
+
+
+@pytest.mark.parametrize("post_kind", ["sampled", "onehot"])
+def test_negative_control_post_verify_against_row_gamma_minus_one_is_detected(post_kind: str) -> None:
+    """The same rounds, but the γ=1 round's post token checked against the
+    last drafted token's row (p_1, off by one) instead of row γ: detected."""
+    counts, expected = _post_verify_joint(post_kind, 4_000, seed=21, post_row_off_by_one=True)
+    assert_detects(counts, expected)
+
+
+def test_post_token_is_ignored_when_the_span_is_rejected() -> None:
+    """A rejection inside the span returns the recovered token as without a
+    post token, from the same RNG draws (the post token consumes none)."""
+    p = torch.tensor([[0.0, 1.0, 0.0], [1 / 3] * 3])  # drafted 0 has p = 0: always rejected
+    q = (np.array([0, 2]), np.array([0.5, 0.5], dtype=np.float32))
+    post = (2, (np.array([2]), np.array([1.0], dtype=np.float32)))
+    g1, g2 = make_generator(3), make_generator(3)
+    for _ in range(50):
+        with_post = rejection_sample([0], [q], p, g1, post=post)
+        assert with_post == rejection_sample([0], [q], p, g2)
+        assert with_post == VerifyResult(0, 1, False, False)
+    assert torch.equal(g1.get_state(), g2.get_state())
+
+
+def test_post_token_flags_and_its_q_checks() -> None:
+    """All accepted: a post token with p(x) = q(x) = 1 is always accepted
+    (is_post, not is_bonus); one outside p's support is always rejected and
+    the next token is the residual sample at the bonus position (is_bonus);
+    γ = 0 checks it against row 0; a post token outside its q is refused."""
+    p = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    sure = (2, (np.array([2]), np.array([1.0], dtype=np.float32)))
+    never = (1, (np.array([1, 2]), np.array([0.5, 0.5], dtype=np.float32)))
+    gen = make_generator(0)
+    for _ in range(20):
+        assert rejection_sample([0], [None], p, gen, post=sure) == VerifyResult(1, 2, False, True)
+        assert rejection_sample([0], [None], p, gen, post=never) == VerifyResult(1, 2, True, False)
+        assert rejection_sample([0], [None], p, gen, post=(1, None)) == VerifyResult(1, 2, True, False)
+        assert rejection_sample([], [], p[1:], gen, post=(2, None)) == VerifyResult(0, 2, False, True)
+    with pytest.raises(ValueError, match="post position .* not sampled from q"):
+        rejection_sample([0], [None], p, gen, post=(0, (np.array([1, 2]), np.array([0.5, 0.5], dtype=np.float32))))
+
+
+def test_greedy_verify_post_token_cases() -> None:
+    """The greedy post token is accepted iff it is the argmax at the bonus
+    position; the next token is that argmax either way."""
+    assert greedy_verify([1, 2], [1, 2, 9], post_id=9) == VerifyResult(2, 9, False, True)
+    assert greedy_verify([1, 2], [1, 2, 9], post_id=4) == VerifyResult(2, 9, True, False)
+    assert greedy_verify([1, 5], [1, 2, 9], post_id=9) == VerifyResult(1, 2, False, False)  # span rejected: ignored
+    assert greedy_verify([], [7], post_id=7) == VerifyResult(0, 7, False, True)
+    assert greedy_verify([1, 2], [1, 2, 9]) == VerifyResult(2, 9, True, False)

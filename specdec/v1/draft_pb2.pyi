@@ -80,14 +80,16 @@ class DraftedToken(_message.Message):
     def __init__(self, position: _Optional[int] = ..., version: _Optional[int] = ..., token_id: _Optional[int] = ..., prob: _Optional[_Union[_common_pb2.SparseDistribution, _Mapping]] = ..., confidence: _Optional[float] = ..., compute_ms: _Optional[float] = ...) -> None: ...
 
 class DraftPaused(_message.Message):
-    __slots__ = ("position", "version", "reason")
+    __slots__ = ("position", "version", "reason", "commit")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     position: int
     version: int
     reason: str
-    def __init__(self, position: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    commit: int
+    def __init__(self, position: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., commit: _Optional[int] = ...) -> None: ...
 
 class CreateDraftSessionRequest(_message.Message):
     __slots__ = ("sampling", "drafter", "rng_offset")

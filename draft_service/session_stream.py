@@ -1,0 +1,191 @@
+"""``specdec.v1.Draft/Session``: one bidirectional stream per generation.
+
+Three parts run per stream, all on the event loop except the drafting itself:
+
+- the reader applies the caller's commits to the ``DraftChain`` and wakes
+  the drafter;
+- the drafter asks the chain for its next step, runs it on the model worker
+  (inline for model-free drafters) and queues the events the chain returns;
+- the response generator sends the queued events in order.
+
+The stream's session lives in the ``SessionStore`` (it counts against the
+session limit and keeps a replica that drains alive until it ends) but is
+never reaped for idleness: it ends with the stream, whether the caller
+half-closes, cancels or the connection drops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+
+from draft_service.drafter import Proposal
+from draft_service.sessions import DraftSession, SessionStore
+from draft_service.stream import ChainPaused, DraftChain, Step, StreamedToken
+from specdec.errors import InvalidArgument, SpecdecError, Unavailable
+from specdec.grpc_util import ModelWorker, WorkTiming
+from specdec.logging_util import log
+from specdec.metrics import ModelServiceMetrics
+from specdec.sampling import SamplingConfig
+from specdec.v1 import common_pb2, draft_pb2
+
+logger = logging.getLogger("specdec.draft.stream")
+
+_END = object()  # the caller half-closed: the stream ends OK
+
+
+def event_proto(ev: StreamedToken | ChainPaused) -> draft_pb2.DraftSessionEvent:
+    if isinstance(ev, StreamedToken):
+        ids, probs = ev.q
+        return draft_pb2.DraftSessionEvent(token=draft_pb2.DraftedToken(
+            position=ev.position, version=ev.version, token_id=ev.token_id,
+            prob=common_pb2.SparseDistribution(token_ids=ids.tolist(), probs=probs.tolist()),
+            confidence=ev.confidence, compute_ms=ev.compute_ms,
+        ))
+    return draft_pb2.DraftSessionEvent(
+        paused=draft_pb2.DraftPaused(position=ev.position, version=ev.version, reason=ev.reason, commit=ev.commit)
+    )
+
+
+class SessionStream:
+    """Serves one Session call. ``resolve(name)`` returns the hosted drafter
+    (raising InvalidArgument / Unavailable); ``draining()`` refuses new
+    streams on a replica that is shutting down."""
+
+    def __init__(
+        self,
+        sessions: SessionStore,
+        worker: ModelWorker,
+        metrics: ModelServiceMetrics,
+        resolve: Callable[[str], Any],
+        draining: Callable[[], bool],
+        steps: collections.Counter[str] | None = None,
+    ) -> None:
+        """``steps``: drafting steps per drafter name (the servicer's
+        ``proposals``, which counts Propose calls the same way)."""
+        self.steps = steps if steps is not None else collections.Counter()
+        self.sessions = sessions
+        self.worker = worker
+        self.metrics = metrics
+        self.resolve = resolve
+        self.draining = draining
+
+    async def serve(
+        self, requests: AsyncIterator[draft_pb2.DraftSessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[draft_pb2.DraftSessionEvent]:
+        session: DraftSession | None = None
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            first = await _first(requests)
+            if first is None:
+                return
+            if first.WhichOneof("kind") != "open":
+                raise InvalidArgument("the first message of a Session stream must be `open`")
+            o = first.open
+            cfg = SamplingConfig.from_proto(o.sampling if o.HasField("sampling") else None)
+            loaded = self.resolve(o.drafter)
+            if self.draining():
+                raise Unavailable("the draft replica is shutting down; open the stream on another replica")
+            drafter = loaded.drafter
+            chain = DraftChain(
+                [int(t) for t in o.token_ids], max_span=self.sessions.max_span,
+                max_context=drafter.max_context_tokens, vocab_size=drafter.vocab_size,
+                draft_until=int(o.draft_until), min_confidence=float(o.min_confidence),
+            )
+            session = self.sessions.create(drafter, cfg, int(o.rng_offset), streamed=True)
+            out: asyncio.Queue[Any] = asyncio.Queue()
+            wake = asyncio.Event()
+            tasks = [
+                asyncio.create_task(self._read(requests, session, chain, wake, out)),
+                asyncio.create_task(self._draft(session, chain, wake, out)),
+            ]
+            yield draft_pb2.DraftSessionEvent(opened=draft_pb2.DraftOpened(session_id=session.id,
+                                                                           drafter=drafter.name))
+            while True:
+                item = await out.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield event_proto(item)
+        except SpecdecError as e:
+            await context.abort(e.code, e.message)
+        except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
+            raise
+        except Exception as e:  # pragma: no cover - defensive: never crash the server
+            logger.exception("unhandled error in Session")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
+        finally:
+            for t in tasks:
+                t.cancel()
+            if session is not None:
+                self.sessions.discard(session.id)
+
+    async def _read(
+        self,
+        requests: AsyncIterator[draft_pb2.DraftSessionRequest],
+        session: DraftSession,
+        chain: DraftChain,
+        wake: asyncio.Event,
+        out: asyncio.Queue[Any],
+    ) -> None:
+        try:
+            async for req in requests:
+                if req.WhichOneof("kind") != "commit":
+                    raise InvalidArgument("only the first message of a Session stream may be `open`")
+                c = req.commit
+                chain.commit(int(c.version), list(c.token_ids), int(c.draft_until), float(c.min_confidence))
+                session.last_used = time.monotonic()
+                wake.set()
+            out.put_nowait(_END)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bad commit (InvalidArgument) or a broken stream
+            out.put_nowait(e)
+
+    async def _draft(self, session: DraftSession, chain: DraftChain, wake: asyncio.Event, out: asyncio.Queue[Any]) -> None:
+        drafter = session.drafter
+        try:
+            while True:
+                step = chain.next_step(drafter.inline)
+                if step is None:
+                    blocked = chain.blocked()
+                    if blocked is not None:
+                        out.put_nowait(blocked)
+                    wake.clear()
+                    await wake.wait()
+                    continue
+                proposal, timing = await self._run(session, step)
+                session.proposals += 1
+                self.steps[drafter.name] += 1
+                session.last_used = time.monotonic()
+                self.metrics.observe("session", len(proposal.token_ids), timing.queue_ms, timing.compute_ms)
+                for ev in chain.add(step, proposal, timing.compute_ms):
+                    out.put_nowait(ev)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log(logger, logging.WARNING, "draft stream failed", session=session.id, error=repr(e))
+            out.put_nowait(e)
+
+    async def _run(self, session: DraftSession, step: Step) -> tuple[Proposal, WorkTiming]:
+        def propose() -> Proposal:
+            return session.drafter.propose(session.state, step.context, step.num_tokens, session.cfg, session.rng, 0.0)
+
+        if session.drafter.inline:
+            started = time.perf_counter()
+            proposal = propose()
+            return proposal, WorkTiming(0.0, (time.perf_counter() - started) * 1e3)
+        return await self.worker.run(propose)
+
+
+async def _first(requests: AsyncIterator[draft_pb2.DraftSessionRequest]) -> draft_pb2.DraftSessionRequest | None:
+    try:
+        return await requests.__anext__()
+    except StopAsyncIteration:
+        return None
