@@ -51,8 +51,9 @@ class OrchestratorConfig:
     # How requests reach the draft (a request's speculation.draft_mode wins):
     # unary (a Propose call per round), stream (one Session stream per
     # request), run-ahead (the stream drafts past the span while the target
-    # verifies it); docs/architecture.md "Draft streams and run-ahead".
-    draft_mode: str = "stream"
+    # verifies it); docs/architecture.md "Draft streams and run-ahead". unary
+    # measured fastest with draft and target on shared cores (docs/benchmarks.md)
+    draft_mode: str = "unary"
     run_ahead_tokens: int = 8  # run-ahead: tokens the draft may draft past the round's span
     target_timeout_s: float = 120.0  # one Verify/Prefill call (bounded by the client deadline)
     release_timeout_s: float = 2.0

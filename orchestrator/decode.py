@@ -448,7 +448,10 @@ class Decoder:
         """The stream's credit for a round of γ after the committed tokens."""
         if not self._drafting(gamma):
             return len(self.committed)  # nothing to draft
-        ahead = self.p.run_ahead_tokens if self.p.draft_mode == "run-ahead" else 0
+        # run-ahead drafts the post-verify token and about one more span: a
+        # longer run is rarely verified (a rejection drops it) and competes
+        # with the verify for memory bandwidth
+        ahead = min(self.p.run_ahead_tokens, gamma + 1) if self.p.draft_mode == "run-ahead" else 0
         return len(self.committed) + gamma + ahead
 
     async def _open_stream(self, gamma: int, min_conf: float = 0.0) -> None:

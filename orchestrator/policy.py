@@ -381,12 +381,11 @@ class CostModel:
                 per_token = self._per_token()
             return None if per_token is None else scale * per_token * gamma
         with self._lock:
-            if self._draft_n < 1e-9:
-                if self._draft_prior_ms > 0:
-                    return self._draft_prior_ms * gamma
+            per_token = self._per_token()
+            if per_token is None:
                 return None
-            per_token = self._draft_compute / self._draft_tokens
-            return self._draft_rtt / self._draft_n + per_token * gamma
+            rtt = self._draft_rtt / self._draft_n if self._draft_n > 1e-9 else 0.0
+            return rtt + per_token * gamma
 
 
 def _interpolate(curve: dict[int, float], x: float) -> float:

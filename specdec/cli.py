@@ -89,12 +89,13 @@ def _add_speculation_flags(p: argparse._ActionsContainer) -> None:
     p.add_argument("--confidence-stop-scale", type=float, default=1.0,
                    help="AUTO's draft confidence early stop: scale × (tokens/ms) × (ms per drafted token), "
                         "capped at 0.4; 0 = no early stop")
-    p.add_argument("--draft-mode", default="stream", choices=["unary", "stream", "run-ahead"],
+    p.add_argument("--draft-mode", default="unary", choices=["unary", "stream", "run-ahead"],
                    help="how requests reach the draft (a request's speculation.draft_mode wins): a Propose call per "
-                        "round, one Session stream per request, or the stream drafting ahead while the target "
-                        "verifies (pays when draft and target have their own cores; docs/architecture.md)")
+                        "round (fastest with draft and target on shared cores), one Session stream per request, or "
+                        "the stream drafting ahead while the target verifies (for draft and target on their own "
+                        "cores or machines; docs/architecture.md, docs/benchmarks.md)")
     p.add_argument("--run-ahead-tokens", type=int, default=8,
-                   help="run-ahead: tokens the draft may draft past the round's span")
+                   help="run-ahead: at most this many tokens drafted past the round's span (and at most γ + 1)")
 
 
 def _add_draft_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:

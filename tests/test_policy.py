@@ -353,3 +353,59 @@ def test_first_round_of_a_fresh_server_chooses_gamma_from_the_measured_curve(cur
     other = factory.make("auto", 0, "other")
     assert factory.costs["other"].verify_ms(1) == pytest.approx(curve[1])
     assert other.next_gamma() >= 0
+
+
+def _streamed_round(gamma: int, accepted: int, continued: bool, wait_ms: float, compute_ms: float) -> RoundObservation:
+    return RoundObservation(gamma=gamma, accepted=accepted, draft_ms=wait_ms, draft_compute_ms=compute_ms,
+                            verify_ms=300.0, verify_compute_ms=300.0, tokens_in_pass=gamma + 1,
+                            continued=continued, streamed=True)
+
+
+def test_the_cost_model_learns_how_much_drafting_a_stream_hides() -> None:
+    """Over a draft stream a round waits only for the drafting that did not
+    overlap the previous verify. Rounds that continue a fully accepted span
+    (run-ahead drafted them during the verify) wait little, rounds after a
+    rejection wait for all of it: the exposed share is learnt apart for the
+    two, and the draft cost of a round of γ follows it."""
+    costs = CostModel()
+    for _ in range(200):
+        costs.observe(_streamed_round(4, 4, continued=True, wait_ms=20.0, compute_ms=200.0))
+        costs.observe(_streamed_round(4, 1, continued=False, wait_ms=210.0, compute_ms=200.0))
+    assert costs.exposure(continued=True) == pytest.approx(0.1, abs=0.02)
+    assert costs.exposure(continued=False) == pytest.approx(1.05, abs=0.05)
+    assert costs.draft_ms(4, streamed=True, continued=True) == pytest.approx(0.1 * 200, rel=0.2)
+    assert costs.draft_ms(4, streamed=True, continued=False) == pytest.approx(1.05 * 200, rel=0.1)
+    # a unary round pays its Propose call in full, whatever the state
+    assert costs.draft_ms(4) == pytest.approx(200.0, rel=0.1)
+    m_hidden = costs.marginal_token_ms(5, streamed=True, continued=True)
+    m_unary = costs.marginal_token_ms(5)
+    assert m_hidden is not None and m_unary is not None and m_hidden < m_unary
+
+
+def test_hidden_drafting_lets_gamma_grow_and_low_acceptance_still_turns_speculation_off() -> None:
+    """With drafting hidden behind verification, AUTO over a stream drafts
+    longer spans inside a run of agreement than AUTO over unary calls (same
+    acceptance, same costs); at an acceptance too low to pay, both go to
+    γ = 0."""
+    def policy(streamed: bool, alpha: float) -> AdaptivePolicy:
+        costs = CostModel()
+        costs.set_prior({1: 300.0, 2: 310.0, 4: 330.0, 8: 400.0, 16: 600.0}, draft_token_ms=60.0)
+        for _ in range(100):
+            costs.observe(_streamed_round(4, 4, continued=True, wait_ms=5.0, compute_ms=240.0))
+            costs.observe(_streamed_round(4, 2, continued=False, wait_ms=250.0, compute_ms=240.0))
+        prior = AcceptancePrior(default_alpha=alpha)
+        rng = random.Random(0)
+        for _ in range(400):  # spans of 16, each token accepted with probability α, in both start states
+            for state in (0, 1):
+                accepted = 0
+                while accepted < 16 and rng.random() < alpha:
+                    accepted += 1
+                prior.update(16, accepted, state)
+        p = AdaptivePolicy(prior, costs, AdaptiveConfig(gamma_max=16), streamed=streamed)
+        p._state = 1  # the next round continues a fully accepted span  # type: ignore[attr-defined]
+        return p
+
+    hidden, unary = policy(True, 0.85).next_gamma(), policy(False, 0.85).next_gamma()
+    assert hidden > unary >= 1, (hidden, unary)
+    assert policy(True, 0.02).next_gamma() == 0
+    assert policy(False, 0.02).next_gamma() == 0
