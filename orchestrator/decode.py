@@ -1,6 +1,9 @@
 """The per-request speculative decoding loop: prefill → propose → verify →
 commit, with fallback to target-only rounds when the draft fails and session
-rebuilds when the target loses one.
+rebuilds when the target loses one. The span comes from a Propose call per
+round (``unary``) or from the request's draft stream (``stream``,
+``run-ahead``: ``orchestrator/runahead.py`` decides which streamed tokens may
+be verified; docs/architecture.md "Draft streams and run-ahead").
 
 The loop talks to the services through the small ``TargetClient`` and
 ``DraftClient`` protocols, so it can be exercised without gRPC. The

@@ -292,3 +292,106 @@ def test_full_queue_is_resource_exhausted(tiny_models: TinyModels, tiny_onnx: Ti
             assert r.status == health_pb2.HealthCheckResponse.SERVING
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------------ Session stream
+def _open(tokens: list[int], until: int, drafter: str = "") -> draft_pb2.DraftSessionRequest:
+    return draft_pb2.DraftSessionRequest(open=draft_pb2.DraftOpen(token_ids=tokens, draft_until=until, drafter=drafter))
+
+
+def _commit(version: int, tokens: list[int], until: int) -> draft_pb2.DraftSessionRequest:
+    return draft_pb2.DraftSessionRequest(commit=draft_pb2.DraftCommit(version=version, token_ids=tokens,
+                                                                      draft_until=until))
+
+
+def test_session_stream_drafts_within_credit_keeps_a_confirmed_chain_and_ends_cleanly(
+    tiny_models: TinyModels, tiny_onnx: TinyOnnx
+) -> None:
+    """A Session stream drafts exactly what Propose would (greedy), never past
+    its credit, goes on under the same version when a commit confirms its
+    chain, restarts under the commit's version otherwise, and releases its
+    session when the caller half-closes or cancels."""
+    async def main() -> None:
+        async with serve(_config(tiny_models, tiny_onnx)) as (server, stub, _):
+            local = OnnxDrafter("x", OnnxCausalLM(tiny_onnx.draft_fp32, execution="cpu", intra_op_threads=1))
+            prompt = [5, 6, 7, 8, 9]
+            want = local.propose(local.new_state(), prompt, 6, SamplingConfig(), np.random.default_rng()).token_ids
+            call = stub.Session()
+            await call.write(_open(prompt, until=5 + 4))
+            opened = await call.read()
+            assert opened.opened.drafter == "tiny" and len(server.sessions) == 1
+            toks = [(await call.read()).token for _ in range(4)]
+            assert [(t.position, t.version) for t in toks] == [(5, 0), (6, 0), (7, 0), (8, 0)]
+            assert [t.token_id for t in toks] == want[:4]
+            assert all(list(t.prob.token_ids) == [t.token_id] and t.compute_ms > 0 for t in toks)
+            # no more credit: nothing comes until a commit; the first two are accepted + a "bonus"
+            # equal to the third: the chain goes on under version 0 and drafts positions 9 and 10
+            await call.write(_commit(1, want[:3], until=8 + 3))
+            more = [(await call.read()).token for _ in range(2)]
+            assert [(t.position, t.version) for t in more] == [(9, 0), (10, 0)]
+            assert [t.token_id for t in more] == want[4:6]
+            # a correction that is not the chain's: a new chain under version 2 at position 10
+            await call.write(_commit(2, [want[3], (want[4] + 1) % 34], until=10 + 1))
+            restart = (await call.read()).token
+            assert (restart.position, restart.version) == (10, 2)
+            await call.done_writing()
+            assert await call.read() is grpc.aio.EOF
+            assert (await call.code()) == grpc.StatusCode.OK
+            for _ in range(50):
+                if len(server.sessions) == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(server.sessions) == 0
+            # cancelling releases it too
+            call = stub.Session()
+            await call.write(_open(prompt, until=6))
+            await call.read()
+            assert len(server.sessions) == 1
+            call.cancel()
+            for _ in range(100):
+                if len(server.sessions) == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(server.sessions) == 0
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "messages,match",
+    [
+        ([_commit(1, [1], 3)], "first message"),
+        ([_open([], 3)], "at least one token"),
+        ([_open([1, 2], 3, drafter="nope")], "unknown drafter"),
+        ([_open([1, 2], 3), _commit(2, [3], 5)], "out of order"),
+        ([_open([1, 2], 3), _commit(1, [99], 5)], "outside"),
+        ([_open([1, 2], 3), _open([1, 2], 3)], "only the first message"),
+    ],
+    ids=["commit-first", "empty", "unknown-drafter", "version", "vocab", "open-twice"],
+)
+def test_session_stream_bad_input_is_invalid_argument_and_leaks_nothing(
+    tiny_models: TinyModels, tiny_onnx: TinyOnnx, messages: list[draft_pb2.DraftSessionRequest], match: str
+) -> None:
+    async def main() -> None:
+        async with serve(_config(tiny_models, tiny_onnx)) as (server, stub, _):
+            call = stub.Session()
+            for m in messages:
+                await call.write(m)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                while True:
+                    if await call.read() is grpc.aio.EOF:
+                        break
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert match in (e.value.details() or "")
+            for _ in range(50):
+                if len(server.sessions) == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(server.sessions) == 0
+            # the service still serves
+            ok = stub.Session()
+            await ok.write(_open([1, 2], 3))
+            assert (await ok.read()).opened.session_id
+            ok.cancel()
+
+    asyncio.run(main())

@@ -356,14 +356,17 @@ def test_concurrent_requests_do_not_interfere(stack: Stack) -> None:
 
 
 # ---------------------------------------------------------------- failures
-def test_draft_killed_mid_request_finishes_with_same_output(tiny_models, onnx_cache_dir: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("draft_mode", ["unary", "run-ahead"])
+def test_draft_killed_mid_request_finishes_with_same_output(tiny_models, onnx_cache_dir: Path, draft_mode: str) -> None:  # type: ignore[no-untyped-def]
+    """The draft process is killed in the middle of a request (over unary
+    calls, or mid-stream with run-ahead): the request finishes target-only
+    with the same tokens."""
     st = start_stack(tiny_models.target, tiny_models.draft, onnx_cache_dir, draft_subprocess=True,
                      orchestrator_overrides={"draft_timeout_s": 2.0})
     try:
         off = st.generate(prompt="failover", mode="off", max_new_tokens=60)
         stream = st.orch_stub().Generate(
-            make_request(
-                prompt="failover", mode="fixed", gamma=2, max_new_tokens=60),
+            make_request(prompt="failover", mode="fixed", gamma=2, max_new_tokens=60, draft_mode=draft_mode),
             timeout=120,
         )
         chunks = [next(stream)]  # first token: the draft is in use
