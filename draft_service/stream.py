@@ -20,12 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
-
 from draft_service.drafter import Proposal
 from specdec.errors import InvalidArgument
-
-SparseQ = tuple[np.ndarray, np.ndarray]
+from specdec.sampling import SparseQ
 
 
 @dataclass(frozen=True)

@@ -232,9 +232,7 @@ class GrpcDraftClient(_GrpcClient):
             min_confidence=min_confidence,
         )
         r = await self._rpc("Propose", req, timeout)
-        q = [
-            (np.asarray(d.token_ids, dtype=np.int64), np.asarray(d.probs, dtype=np.float32)) for d in r.probs
-        ]
+        q = [_q(d) for d in r.probs]
         return ProposeReply(list(r.token_ids), q, r.committed_len, r.timings.compute_ms, list(r.confidence))
 
     async def open_stream(

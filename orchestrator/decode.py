@@ -25,11 +25,10 @@ from orchestrator.policy import DraftLengthPolicy, RoundObservation
 from orchestrator.runahead import ChainTracker, StreamFault, StreamPause, StreamToken
 from specdec.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, SpecdecError, Unavailable
 from specdec.logging_util import log
-from specdec.sampling import SamplingConfig
+from specdec.sampling import SamplingConfig, SparseQ
 
 logger = logging.getLogger("specdec.orchestrator")
 
-SparseQ = tuple[np.ndarray, np.ndarray]
 PostToken = tuple[int, "SparseQ | None"]  # a drafted token at the bonus position and its q (None: one-hot)
 DRAFT_MODES = ("unary", "stream", "run-ahead")
 MAX_REBUILDS_PER_ROUND = 2  # target session rebuilds (another replica each) before a round gives up

@@ -17,9 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
-
-SparseQ = tuple[np.ndarray, np.ndarray]
+from specdec.sampling import SparseQ
 
 
 @dataclass(frozen=True)
