@@ -5,11 +5,18 @@ Exactness rests on one invariant (docs/design.md, rule 2): the q returned for a
 position is the very distribution its token was drawn from, built by
 :func:`specdec.sampling.draft_distribution` and sampled by
 :func:`specdec.sampling.sample_sparse`. Greedy drafting returns one-hot q.
+
+Every drafter derives from :class:`Drafter`, whose ``propose`` checks the
+arguments once (:class:`DraftRequest`) and calls the drafter's ``draft``. The
+model drafters share one autoregressive loop, :class:`DraftLoop`; a drafter
+whose model has another vocabulary plugs its logit restriction and id mapping
+in through a :class:`VocabHook`.
 """
 
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
@@ -34,7 +41,25 @@ class Proposal:
     confidence: list[float] = field(default_factory=list)
 
 
-class Drafter(Protocol):
+@dataclass(frozen=True)
+class DraftRequest:
+    """One ``propose`` call's arguments, checked on construction: ``committed``
+    holds the whole committed sequence (>= 1 id) and ``num_tokens`` >= 1."""
+
+    committed: Sequence[int]
+    num_tokens: int
+    cfg: SamplingConfig
+    rng: np.random.Generator
+    min_confidence: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.committed:
+            raise InvalidArgument("the committed context is empty")
+        if self.num_tokens < 1:
+            raise InvalidArgument("num_tokens must be >= 1")
+
+
+class Drafter(ABC):
     """Proposes target-vocabulary ids. ``vocab_size``: committed and drafted
     ids are < this (the target vocabulary the ids live in). ``inline``: the
     drafter is cheap enough (no model, microseconds) to run on the event loop
@@ -43,9 +68,15 @@ class Drafter(Protocol):
     name: str
     vocab_size: int
     max_context_tokens: int
-    inline: bool
+    inline: bool = False
 
-    def new_state(self) -> Any: ...
+    @abstractmethod
+    def new_state(self) -> Any:
+        """A fresh per-session drafting state."""
+
+    @abstractmethod
+    def draft(self, state: Any, req: DraftRequest) -> Proposal:
+        """At most ``req.num_tokens`` ids drafted after ``req.committed``."""
 
     def propose(
         self,
@@ -55,7 +86,10 @@ class Drafter(Protocol):
         cfg: SamplingConfig,
         rng: np.random.Generator,
         min_confidence: float = 0.0,
-    ) -> Proposal: ...
+    ) -> Proposal:
+        """committed: the whole committed sequence (>= 1 token), ids < vocab_size.
+        Raises InvalidArgument for an empty context or ``num_tokens`` < 1."""
+        return self.draft(state, DraftRequest(committed, num_tokens, cfg, rng, min_confidence))
 
 
 @dataclass
@@ -65,6 +99,59 @@ class DraftState:
     cache: KVCache
     tokens: list[int] = field(default_factory=list)
 
+    def reset(self) -> None:
+        """Empties the cache and its token list together."""
+        self.cache.crop(0)
+        self.tokens.clear()
+
+
+class KVState(Protocol):
+    """What :class:`DraftLoop` needs of a drafter's state: a KV cache, the
+    draft-model ids it holds, and a reset that empties both (and anything
+    kept in step with them)."""
+
+    cache: KVCache
+    tokens: list[int]
+
+    def reset(self) -> None: ...
+
+
+class VocabHook(Protocol):
+    """How :class:`DraftLoop` maps the draft model's vocabulary to the ids it
+    proposes. Drafting samples *candidates*: indices into ``restrict(logits)``."""
+
+    def restrict(self, logits: np.ndarray) -> np.ndarray:
+        """The candidates' logits [M] from the draft model's logits [V_d]."""
+        ...
+
+    def target_ids(self, candidates: np.ndarray) -> np.ndarray:
+        """Candidate indices [K] -> the ids q is sent over [K]."""
+        ...
+
+    def target_id(self, candidate: int) -> int:
+        """A sampled candidate -> the id proposed."""
+        ...
+
+    def draft_id(self, candidate: int) -> int:
+        """A sampled candidate -> the draft-model id fed back to the model."""
+        ...
+
+
+class SameVocab:
+    """The identity hook: the draft model drafts in the proposed vocabulary."""
+
+    def restrict(self, logits: np.ndarray) -> np.ndarray:
+        return logits
+
+    def target_ids(self, candidates: np.ndarray) -> np.ndarray:
+        return candidates
+
+    def target_id(self, candidate: int) -> int:
+        return candidate
+
+    def draft_id(self, candidate: int) -> int:
+        return candidate
+
 
 def top_probability(logits: np.ndarray) -> float:
     """Largest softmax probability of raw logits [V] at temperature 1."""
@@ -73,6 +160,7 @@ def top_probability(logits: np.ndarray) -> float:
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``."""
     n = min(len(a), len(b))
     if list(a[:n]) == list(b[:n]):
         return n
@@ -82,15 +170,68 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-class OnnxDrafter:
-    """A same-vocabulary draft model on onnxruntime.
+@dataclass(frozen=True, eq=False)
+class DraftLoop:
+    """The autoregressive drafting loop of the model drafters.
 
-    ``propose`` rolls the KV cache back to the longest common prefix of the
-    tokens it holds and ``committed``, feeds the rest of ``committed`` (at
-    least the last token, so next-token logits exist), then drafts
-    autoregressively. The last drafted token is not fed; the next call's
+    ``run`` rolls the KV cache back to the longest common prefix of the
+    tokens it holds and ``context`` (the draft model's ids), feeds the rest of
+    ``context`` (at least the last token, so next-token logits exist), then
+    drafts: per position q from the hook's restricted logits
+    (:func:`draft_distribution`), one draw from q (:func:`sample_sparse`), the
+    draft id fed back. The last drafted token is not fed; the next call's
     common-prefix check keeps whatever the target accepted.
     """
+
+    model: OnnxCausalLM
+    max_support: int
+    vocab: VocabHook = field(default_factory=SameVocab)
+
+    def run(self, state: KVState, context: Sequence[int], req: DraftRequest) -> Proposal:
+        """At most ``req.num_tokens`` proposed ids; fewer when the context
+        limit is reached or (after the first) a token's confidence is below
+        ``req.min_confidence`` (draft-side information only: exactness
+        holds); none for an empty ``context``. A failure resets ``state``."""
+        # fed tokens = len(context) + γ - 1 must fit the cache
+        gamma = min(req.num_tokens, self.model.max_cache_tokens - len(context) + 1)
+        if not context or gamma < 1:
+            return Proposal([], [])
+        keep = min(common_prefix_len(state.tokens, context), len(context) - 1)
+        try:
+            state.cache.crop(keep)
+            del state.tokens[keep:]
+            todo = list(context[keep:])
+            logits = self.model.forward(state.cache, todo)[-1]  # [V_d]
+            state.tokens.extend(todo)
+            fed = len(todo)
+            ids: list[int] = []
+            qs: list[tuple[np.ndarray, np.ndarray]] = []
+            conf: list[float] = []
+            for i in range(gamma):
+                x = self.vocab.restrict(logits)  # [M]
+                c = top_probability(x)
+                if i > 0 and c < req.min_confidence:
+                    break
+                cand, probs = draft_distribution(x, req.cfg, self.max_support)  # indices into [M]
+                pick = sample_sparse(cand, probs, req.rng)
+                ids.append(self.vocab.target_id(pick))
+                qs.append((self.vocab.target_ids(cand), probs))
+                conf.append(c)
+                if i + 1 < gamma:
+                    d = self.vocab.draft_id(pick)
+                    logits = self.model.forward(state.cache, [d])[-1]
+                    state.tokens.append(d)
+                    fed += 1
+        except Exception:
+            # never leave the cache and the token list out of step
+            state.reset()
+            raise
+        return Proposal(ids, qs, fed, conf)
+
+
+class OnnxDrafter(Drafter):
+    """A same-vocabulary draft model on onnxruntime, drafting with
+    :class:`DraftLoop` on the committed ids themselves."""
 
     inline = False
 
@@ -110,58 +251,12 @@ class OnnxDrafter:
         self.max_support = max_support
         self.eos_token_ids = list(eos_token_ids) or list(model.eos_token_ids)
         self.max_context_tokens = model.max_cache_tokens
+        self.loop = DraftLoop(model, max_support)
 
     def new_state(self) -> DraftState:
         return DraftState(cache=self.model.new_state())
 
-    def propose(
-        self,
-        state: DraftState,
-        committed: Sequence[int],
-        num_tokens: int,
-        cfg: SamplingConfig,
-        rng: np.random.Generator,
-        min_confidence: float = 0.0,
-    ) -> Proposal:
-        """committed: the whole committed sequence (>= 1 token), ids < vocab_size.
-        Returns at most ``num_tokens`` tokens; fewer when the context limit is
-        reached or (after the first) a token's confidence is below
-        ``min_confidence`` (draft-side information only: exactness holds)."""
-        if not committed:
-            raise InvalidArgument("the committed context is empty")
-        if num_tokens < 1:
-            raise InvalidArgument("num_tokens must be >= 1")
-        # fed tokens = len(committed) + γ - 1 must fit the cache
-        gamma = min(num_tokens, self.max_context_tokens - len(committed) + 1)
-        if gamma < 1:
-            return Proposal([], [])
-        keep = min(common_prefix_len(state.tokens, committed), len(committed) - 1)
-        try:
-            state.cache.crop(keep)
-            del state.tokens[keep:]
-            todo = list(committed[keep:])
-            logits = self.model.forward(state.cache, todo)[-1]  # [V]
-            state.tokens.extend(todo)
-            fed = len(todo)
-            ids: list[int] = []
-            qs: list[tuple[np.ndarray, np.ndarray]] = []
-            conf: list[float] = []
-            for i in range(gamma):
-                c = top_probability(logits)
-                if i > 0 and c < min_confidence:
-                    break
-                q_ids, q_probs = draft_distribution(logits, cfg, self.max_support)
-                x = sample_sparse(q_ids, q_probs, rng)
-                ids.append(x)
-                qs.append((q_ids, q_probs))
-                conf.append(c)
-                if i + 1 < gamma:
-                    logits = self.model.forward(state.cache, [x])[-1]
-                    state.tokens.append(x)
-                    fed += 1
-        except Exception:
-            # never leave the cache and the token list out of step
-            state.cache.crop(0)
-            state.tokens.clear()
-            raise
-        return Proposal(ids, qs, fed, conf)
+    def draft(self, state: DraftState, req: DraftRequest) -> Proposal:
+        """Drafts on ``req.committed``; fewer tokens near the context limit or
+        below ``req.min_confidence`` (see :meth:`DraftLoop.run`)."""
+        return self.loop.run(state, req.committed, req)

@@ -12,8 +12,6 @@ lock so concurrent processes build a key once.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -25,8 +23,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
 
+from specdec.fsutil import file_lock
 from specdec.logging_util import log
 
 logger = logging.getLogger("specdec.draft.export")
@@ -102,17 +100,6 @@ def export_key(hf_dir: Path, precision: str, execution: str) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def ensure_onnx(hf_dir: Path, cache_dir: Path, precision: str = "int4", execution: str = "cpu") -> Path:
     """Returns the directory holding ``model.onnx`` for ``hf_dir``, exporting it
     on first use. ``execution`` is the concrete provider, 'cpu' or 'cuda'."""
@@ -128,7 +115,7 @@ def ensure_onnx(hf_dir: Path, cache_dir: Path, precision: str = "int4", executio
     if (out / _MARKER).is_file():
         log(logger, logging.INFO, "onnx export cached", path=str(out), precision=precision)
         return out
-    with _file_lock(root / ".locks" / f"{key}.lock"):
+    with file_lock(root / ".locks" / f"{key}.lock"):
         if (out / _MARKER).is_file():  # built by another process meanwhile
             return out
         if out.exists():  # a partial directory without marker: never trusted

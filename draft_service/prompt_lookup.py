@@ -23,9 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from draft_service.drafter import Proposal
-from specdec.errors import InvalidArgument
-from specdec.sampling import SamplingConfig
+from draft_service.drafter import Drafter, DraftRequest, Proposal
 
 _ONE = np.ones(1, dtype=np.float32)
 
@@ -81,7 +79,7 @@ class PromptLookupState:
     last_ngram: int = 0
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     """Model-free drafter over the target vocabulary (``vocab_size`` ids)."""
 
     inline = True  # microseconds per call: served on the event loop
@@ -106,24 +104,12 @@ class PromptLookupDrafter:
     def new_state(self) -> PromptLookupState:
         return PromptLookupState(NgramIndex(self.min_ngram, self.max_ngram))
 
-    def propose(
-        self,
-        state: PromptLookupState,
-        committed: Sequence[int],
-        num_tokens: int,
-        cfg: SamplingConfig,
-        rng: np.random.Generator,
-        min_confidence: float = 0.0,
-    ) -> Proposal:
-        """Up to ``num_tokens`` ids continuing the most recent earlier
-        occurrence of the committed suffix; one-hot q each. ``cfg``, ``rng``
-        and ``min_confidence`` do not change a one-hot proposal."""
-        if not committed:
-            raise InvalidArgument("the committed context is empty")
-        if num_tokens < 1:
-            raise InvalidArgument("num_tokens must be >= 1")
-        state.index.sync(committed)
-        n, ids = state.index.lookup(num_tokens)
+    def draft(self, state: PromptLookupState, req: DraftRequest) -> Proposal:
+        """Up to ``req.num_tokens`` ids continuing the most recent earlier
+        occurrence of the committed suffix; one-hot q each. ``req.cfg``,
+        ``req.rng`` and ``req.min_confidence`` do not change a one-hot proposal."""
+        state.index.sync(req.committed)
+        n, ids = state.index.lookup(req.num_tokens)
         state.last_ngram = n
         if not ids:
             state.misses += 1
@@ -143,7 +129,7 @@ class AutoState:
     used_model: int = 0
 
 
-class AutoDrafter:
+class AutoDrafter(Drafter):
     """Prompt lookup when it is matching well, otherwise a model drafter.
 
     Each round, prompt lookup's candidate (when there is one) is scored
@@ -162,7 +148,7 @@ class AutoDrafter:
         self,
         name: str,
         lookup: PromptLookupDrafter,
-        model: Any,
+        model: Drafter,
         *,
         min_ngram: int = 2,
         threshold: float = 0.5,
@@ -182,17 +168,10 @@ class AutoDrafter:
     def new_state(self) -> AutoState:
         return AutoState(self.lookup.new_state(), self.model.new_state())
 
-    def propose(
-        self,
-        state: AutoState,
-        committed: Sequence[int],
-        num_tokens: int,
-        cfg: SamplingConfig,
-        rng: np.random.Generator,
-        min_confidence: float = 0.0,
-    ) -> Proposal:
-        if not committed:
-            raise InvalidArgument("the committed context is empty")
+    def draft(self, state: AutoState, req: DraftRequest) -> Proposal:
+        """Prompt lookup's proposal when it is trusted this round, otherwise
+        the model drafter's."""
+        committed = req.committed
         if state.pending is not None:
             pos, tok = state.pending
             if pos < len(committed):
@@ -200,7 +179,7 @@ class AutoDrafter:
                 state.score = self.decay * state.score + (1 - self.decay) * hit
             state.pending = None
         state.lookup.index.sync(committed)
-        n, ids = state.lookup.index.lookup(num_tokens)
+        n, ids = state.lookup.index.lookup(req.num_tokens)
         if ids:
             state.pending = (len(committed), ids[0])
         if ids and n >= self.min_ngram and state.score >= self.threshold:
@@ -208,4 +187,4 @@ class AutoDrafter:
             q = [(np.array([x], dtype=np.int32), _ONE.copy()) for x in ids]
             return Proposal(list(ids), q, 0, [1.0] * len(ids))
         state.used_model += 1
-        return self.model.propose(state.model, committed, num_tokens, cfg, rng, min_confidence)
+        return self.model.draft(state.model, req)

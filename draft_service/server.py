@@ -208,8 +208,8 @@ class DraftServer:
         self.worker.shutdown()
 
 
-def _hf_dir_for(spec: DrafterSpec, cache_dir: Path) -> tuple[Path, str]:
-    """(HF directory, model name) of a drafter spec."""
+def _drafter_hf_dir(spec: DrafterSpec, cache_dir: Path) -> tuple[Path, str]:
+    """(HF directory, model name) of a drafter spec: its local directory, or its model resolved."""
     local = Path(spec.model).expanduser()
     if local.is_dir() and (local / "config.json").is_file():
         return local.resolve(), local.name
@@ -219,21 +219,14 @@ def _hf_dir_for(spec: DrafterSpec, cache_dir: Path) -> tuple[Path, str]:
     return Path(resolved.hf_dir), resolved.name
 
 
-def _eos_ids(hf_dir: Path | None, tokenizer: object | None, fallback: list[int]) -> list[int]:
+def _config_eos_values(hf_dir: Path | None) -> list[object]:
+    """The ``eos_token_id`` values of ``hf_dir``'s generation_config.json and config.json (those present)."""
     import json
 
-    ids: list[int] = []
-    if hf_dir is not None:
-        for fname in ("generation_config.json", "config.json"):
-            f = hf_dir / fname
-            if f.is_file():
-                eos = json.loads(f.read_text()).get("eos_token_id")
-                ids += [eos] if isinstance(eos, int) else list(eos or [])
-    tid = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(tid, int):
-        ids.append(tid)
-    ids += fallback
-    return sorted(set(int(i) for i in ids))
+    if hf_dir is None:
+        return []
+    files = (hf_dir / "generation_config.json", hf_dir / "config.json")
+    return [json.loads(f.read_text()).get("eos_token_id") for f in files if f.is_file()]
 
 
 def _local_hf_dir(spec: str) -> Path | None:
@@ -249,7 +242,7 @@ def load_target_vocab(config: DraftServiceConfig) -> TargetVocab | None:
 
     from transformers import AutoTokenizer
 
-    from specdec.tokenization import tokenizer_fingerprint
+    from specdec.tokenization import eos_token_ids, tokenizer_fingerprint
 
     if not config.target_tokenizer:
         return None
@@ -266,9 +259,8 @@ def load_target_vocab(config: DraftServiceConfig) -> TargetVocab | None:
         c = json.loads(cfg.read_text())
         vocab_size = int(c.get("vocab_size") or vocab_size)
         context = int(c.get("max_position_embeddings") or 0)
-    return TargetVocab(
-        tokenizer, tokenizer_fingerprint(tokenizer), vocab_size, _eos_ids(hf_dir, tokenizer, []), context, hf_dir
-    )
+    eos = eos_token_ids(*_config_eos_values(hf_dir), tokenizer.eos_token_id)
+    return TargetVocab(tokenizer, tokenizer_fingerprint(tokenizer), vocab_size, eos, context, hf_dir)
 
 
 def _load_onnx_model(spec: DrafterSpec, config: DraftServiceConfig) -> tuple[Any, Path | None, str]:
@@ -286,7 +278,7 @@ def _load_onnx_model(spec: DrafterSpec, config: DraftServiceConfig) -> tuple[Any
         if spec.model and local.is_dir() and (local / "config.json").is_file():
             hf_dir = local
     else:
-        hf_dir, model_name = _hf_dir_for(spec, cache_dir)
+        hf_dir, model_name = _drafter_hf_dir(spec, cache_dir)
         onnx_dir = ensure_onnx(hf_dir, cache_dir, spec.precision, execution)
     model = OnnxCausalLM(
         onnx_dir,
@@ -309,7 +301,7 @@ def _load_tokenizer(*dirs: Path | None) -> Any:
 
 def load_drafter(spec: DrafterSpec, config: DraftServiceConfig, target: TargetVocab | None = None) -> LoadedDrafter:
     """Resolves, exports (cached) and loads one drafter (blocking; off the loop)."""
-    from specdec.tokenization import tokenizer_fingerprint
+    from specdec.tokenization import eos_token_ids, tokenizer_fingerprint
 
     if spec.kind == "prompt-lookup":
         from draft_service.prompt_lookup import PromptLookupDrafter
@@ -352,7 +344,8 @@ def load_drafter(spec: DrafterSpec, config: DraftServiceConfig, target: TargetVo
     fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else ""
     if not fingerprint:
         log(logger, logging.WARNING, "no tokenizer found; fingerprint left empty", drafter=spec.name)
-    eos = _eos_ids(hf_dir, tokenizer, model.eos_token_ids)
+    tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+    eos = eos_token_ids(*_config_eos_values(hf_dir), tokenizer_eos, model.eos_token_ids)
     drafter = OnnxDrafter(spec.name, model, max_support=config.max_support, eos_token_ids=eos)
     return LoadedDrafter(
         drafter, model_name, spec.precision, fingerprint, eos, kind=spec.kind, device=model.device,

@@ -150,7 +150,8 @@ class SessionStore:
         min_confidence: float = 0.0,
     ) -> ProposeResult:
         """Runs one Propose (on the model worker, or inline for an ``inline``
-        drafter). committed = session.committed[:base_len] + new_token_ids."""
+        drafter). committed = session.committed[:base_len] + new_token_ids;
+        the drafter rejects an empty one (:class:`~draft_service.drafter.DraftRequest`)."""
         session = self.get(session_id)
         drafter = session.drafter
         self.validate_propose(new_token_ids, num_tokens, drafter.vocab_size)
@@ -159,8 +160,6 @@ class SessionStore:
                 f"base_len {base_len} exceeds the {len(session.committed)} committed tokens the session knows"
             )
         committed = session.committed[:base_len] + [int(t) for t in new_token_ids]
-        if not committed:
-            raise InvalidArgument("the committed context is empty (base_len 0 and no new_token_ids)")
         proposal = drafter.propose(session.state, committed, num_tokens, session.cfg, session.rng, min_confidence)
         session.committed = committed
         session.proposals += 1

@@ -41,11 +41,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from draft_service.drafter import Proposal, common_prefix_len
+from draft_service.drafter import Drafter, DraftLoop, DraftRequest, Proposal, common_prefix_len
 from draft_service.onnx_model import KVCache, OnnxCausalLM
 from draft_service.vocab_map import TokenTable, VocabMap
-from specdec.errors import InvalidArgument
-from specdec.sampling import SamplingConfig, draft_distribution, sample_sparse
 
 logger = logging.getLogger("specdec.draft.tli")
 
@@ -105,6 +103,10 @@ class RetokenizedContext:
     invertible: bool = True
     retokenized_tokens: int = 0  # draft tokens produced by re-tokenization (cost counter)
 
+    def fresh(self) -> RetokenizedContext:
+        """An empty context with the same tables, tokenizer and look-behind."""
+        return RetokenizedContext(self.target, self.draft, self.tokenize, self.lookbehind)
+
     def _draft_bytes(self, ids: Sequence[int]) -> bytes:
         return b"".join(self.draft.get(i) for i in ids)
 
@@ -151,12 +153,43 @@ class RetokenizedContext:
 
 @dataclass
 class TliState:
+    """A TLI session: the re-tokenized context, the draft KV cache and the draft ids it holds."""
+
     context: RetokenizedContext
     cache: KVCache
     tokens: list[int] = field(default_factory=list)  # draft ids held by ``cache``
 
+    def reset(self) -> None:
+        """Empties the cache and its token list and starts a new context:
+        never out of step with one another."""
+        self.cache.crop(0)
+        self.tokens.clear()
+        self.context = self.context.fresh()
 
-class TliDrafter:
+
+@dataclass(frozen=True, eq=False)
+class Intersection:
+    """The :class:`~draft_service.drafter.VocabHook` of TLI: candidates are
+    the draft tokens whose bytes are also a target token, ``draft[i]`` and
+    ``target[i]`` the two ids of candidate i."""
+
+    draft: np.ndarray  # [M] int64 draft ids in the intersection
+    target: np.ndarray  # [M] int32 their target ids
+
+    def restrict(self, logits: np.ndarray) -> np.ndarray:
+        return logits[self.draft].astype(np.float64)
+
+    def target_ids(self, candidates: np.ndarray) -> np.ndarray:
+        return self.target[candidates]
+
+    def target_id(self, candidate: int) -> int:
+        return int(self.target[candidate])
+
+    def draft_id(self, candidate: int) -> int:
+        return int(self.draft[candidate])
+
+
+class TliDrafter(Drafter):
     """A draft model with another tokenizer, drafting in the target vocabulary.
 
     ``vocab_size`` and the ids it takes and returns are the TARGET's;
@@ -194,63 +227,20 @@ class TliDrafter:
         inter = np.nonzero(vocab_map.draft_to_target >= 0)[0]
         if inter.size == 0:
             raise ValueError("the draft and target vocabularies do not intersect")
-        self.inter_draft = inter.astype(np.int64)  # [M] draft ids in the intersection
-        self.inter_target = vocab_map.draft_to_target[inter].astype(np.int32)  # [M] their target ids
+        self.inter_target = vocab_map.draft_to_target[inter].astype(np.int32)  # [M] target ids of the intersection
+        self.loop = DraftLoop(model, max_support, Intersection(inter.astype(np.int64), self.inter_target))
 
     def new_state(self) -> TliState:
         ctx = RetokenizedContext(self.map.target, self.map.draft, self.tokenize, self.lookbehind)
         return TliState(ctx, self.model.new_state())
 
-    def propose(
-        self,
-        state: TliState,
-        committed: Sequence[int],
-        num_tokens: int,
-        cfg: SamplingConfig,
-        rng: np.random.Generator,
-        min_confidence: float = 0.0,
-    ) -> Proposal:
-        """committed: the whole committed target sequence (>= 1 id). Returns
-        at most ``num_tokens`` target ids with q over target ids; none when the
+    def draft(self, state: TliState, req: DraftRequest) -> Proposal:
+        """Drafts on the re-tokenized committed text: at most
+        ``req.num_tokens`` target ids with q over target ids; none when the
         committed text is empty so far or the draft context is full."""
-        if not committed:
-            raise InvalidArgument("the committed context is empty")
-        if num_tokens < 1:
-            raise InvalidArgument("num_tokens must be >= 1")
         try:
-            ctx = state.context.update(committed)
-            gamma = min(num_tokens, self.max_context_tokens - len(ctx) + 1)
-            if not ctx or gamma < 1:
-                return Proposal([], [])
-            keep = min(common_prefix_len(state.tokens, ctx), len(ctx) - 1)
-            state.cache.crop(keep)
-            del state.tokens[keep:]
-            todo = ctx[keep:]
-            logits = self.model.forward(state.cache, todo)[-1]  # [V_d]
-            state.tokens.extend(todo)
-            fed = len(todo)
-            ids: list[int] = []
-            qs: list[tuple[np.ndarray, np.ndarray]] = []
-            conf: list[float] = []
-            for i in range(gamma):
-                x = logits[self.inter_draft].astype(np.float64)  # [M] restricted logits
-                c = float(1.0 / np.exp(x - x.max()).sum())  # top probability at temperature 1
-                if i > 0 and c < min_confidence:
-                    break
-                j, probs = draft_distribution(x, cfg, self.max_support)  # j: indices into [M]
-                pick = sample_sparse(j, probs, rng)
-                ids.append(int(self.inter_target[pick]))
-                qs.append((self.inter_target[j], probs))
-                conf.append(c)
-                if i + 1 < gamma:
-                    d = int(self.inter_draft[pick])
-                    logits = self.model.forward(state.cache, [d])[-1]
-                    state.tokens.append(d)
-                    fed += 1
+            ctx = state.context.update(req.committed)
         except Exception:
-            # never leave the cache, its token list and the context out of step
-            state.cache.crop(0)
-            state.tokens.clear()
-            state.context = RetokenizedContext(self.map.target, self.map.draft, self.tokenize, self.lookbehind)
+            state.reset()
             raise
-        return Proposal(ids, qs, fed, conf)
+        return self.loop.run(state, ctx, req)

@@ -10,12 +10,12 @@ from typing import Any, Sequence
 import grpc
 import numpy as np
 
-from orchestrator.decode import PostToken, PrefillReply, ProposeReply, SparseQ, VerifyReply
+from orchestrator.protocols import PostToken, PrefillReply, ProposeReply, VerifyReply
 from orchestrator.runahead import StreamPause, StreamToken
 from specdec.errors import DeadlineExceeded, SpecdecError, Unavailable, from_rpc_error
 from specdec.grpc_util import channel_options
 from specdec.tls import TlsClientConfig, aio_channel
-from specdec.sampling import SamplingConfig
+from specdec.sampling import SamplingConfig, SparseQ
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.models import DEFAULT_TARGET
 from specdec.tls import TlsClientConfig, TlsServerConfig
 
 
@@ -30,7 +31,7 @@ class OrchestratorConfig:
     # file:///path (one address per line, re-read); see orchestrator/routing.py
     target_addresses: list[str] = field(default_factory=lambda: ["127.0.0.1:50053"])
     draft_addresses: list[str] = field(default_factory=lambda: ["127.0.0.1:50052"])  # [] = no draft (target-only)
-    tokenizer: str = "qwen2.5-coder-1.5b-instruct"  # model spec whose tokenizer is used
+    tokenizer: str = DEFAULT_TARGET  # model spec whose tokenizer is used
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = pick a free port
     cache_dir: Path | None = None

@@ -48,10 +48,10 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Generic, Protocol, Sequence, TypeVar
 
 from orchestrator.config import RoutingConfig
-from orchestrator.decode import PostToken, PrefillReply, ProposeReply, SparseQ, VerifyReply
+from orchestrator.protocols import PostToken, PrefillReply, ProposeReply, VerifyReply
 from specdec.errors import NotFound, ResourceExhausted, SpecdecError, Unavailable
 from specdec.logging_util import log
-from specdec.sampling import SamplingConfig
+from specdec.sampling import SamplingConfig, SparseQ
 
 logger = logging.getLogger("specdec.orchestrator.routing")
 

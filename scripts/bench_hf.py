@@ -19,6 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402 (after the sys.path line)
+
 
 def main() -> int:
     import torch
@@ -27,8 +29,8 @@ def main() -> int:
     from specdec.models import default_cache_dir, resolve
 
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    p.add_argument("--assistant", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--assistant", default=DEFAULT_DRAFT)
     p.add_argument("--universal", action="store_true", help="the assistant has another tokenizer (assistant_tokenizer=)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--prompts", type=Path, default=REPO / "benchmarks" / "prompts.jsonl")

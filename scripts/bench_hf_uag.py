@@ -28,6 +28,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from specdec.models import DEFAULT_TARGET  # noqa: E402 (after the sys.path line)
+
 
 def _hf_dir(spec: str, cache: Path) -> str:
     p = Path(spec).expanduser()
@@ -59,7 +61,7 @@ def _timed_generate(model: Any, ids: list[int], max_new: int, **kw: Any) -> tupl
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--assistant", default="smollm2-135m-instruct")
     ap.add_argument("--prompts", type=Path, default=REPO / "benchmarks" / "prompts.jsonl")
     ap.add_argument("--only", action="append", help="prompt id(s) to run")

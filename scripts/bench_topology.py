@@ -9,7 +9,7 @@ It launches the services itself, each as its own ``specdec serve`` process:
   proxies unpinned. Each service on its own core behaves like a separate
   machine: a draft that runs while the target verifies (run-ahead) costs the
   target nothing, as it would across a network. Between the orchestrator and
-  each service sits a delay proxy (``python -m specdec.delay_proxy``) adding
+  each service sits a delay proxy (``python -m specdec_app.delay_proxy``) adding
   each RTT of ``--rtts`` (default 0, 2, 10 ms): the link between machines.
   The proxies are there at RTT 0 too, so the RTT is the only thing that
   changes along the sweep. Target and draft are launched once; only the
@@ -33,7 +33,7 @@ and stream and run-ahead over unary.
 
 Each delay proxy's real added round trip is measured (gRPC health Check
 through the proxy minus direct, minimum of 20) and recorded beside the
-nominal RTT (the proxy's timers add about 1 ms, see specdec/delay_proxy.py).
+nominal RTT (the proxy's timers add about 1 ms, see specdec_app/delay_proxy.py).
 
 Writes results.json, results.md and PNG plots (with matplotlib) into --out;
 service logs go to --out/logs.
@@ -52,7 +52,6 @@ import os
 import shlex
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -64,18 +63,19 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from specdec.bench import (
+from specdec_app.bench import (
     REPO_PROMPTS,
     _divergence,
     alternating,
     machine_meta,
-    pyplot,
     speculation_config,
     target_numerics,
 )
-from specdec.cli import DEFAULT_DRAFT, DEFAULT_TARGET, MODEL_DRAFTER, _wait_healthy
+from draft_service.cli import MODEL_DRAFTER
+from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec_app.up import wait_healthy
+from topology_report import MODES, mismatches, plots, to_markdown  # scripts/topology_report.py
 
-MODES = ("off", "unary", "stream", "run-ahead")
 SPEC_MODES = MODES[1:]
 TOPOLOGIES = ("pinned", "colocated")
 # one code-completion, one code-edit and one prose prompt of benchmarks/prompts.jsonl
@@ -172,7 +172,7 @@ class Children:
 
 
 def _serve(a: argparse.Namespace, service: str, port: int) -> list[str]:
-    cmd = [sys.executable, "-m", "specdec.cli", "serve", service, "--port", str(port),
+    cmd = [sys.executable, "-m", "specdec_app.cli", "serve", service, "--port", str(port),
            "--log-level", a.log_level, "--drain-timeout", "1"]
     if a.cache_dir is not None:
         cmd += ["--cache-dir", str(a.cache_dir)]
@@ -208,15 +208,15 @@ def launch_service(children: Children, name: str, cmd: list[str], port: int, tim
     print(f"[topology] starting {name}: {' '.join(cmd)}", flush=True)
     t0 = time.monotonic()
     proc = children.start(name, cmd)
-    if not _wait_healthy(address, timeout_s, [proc]):
+    if not wait_healthy(address, timeout_s, [proc]):
         raise SystemExit(f"bench_topology: {name} did not become SERVING; its log ends:\n{children.log_tail(name)}")
     print(f"[topology] {name} SERVING on {address} after {time.monotonic() - t0:.0f} s", flush=True)
     return address
 
 
 def launch_proxy(children: Children, name: str, upstream: str, rtt_ms: float) -> str:
-    """A ``python -m specdec.delay_proxy`` process; its address (the JSON line it prints)."""
-    cmd = [sys.executable, "-m", "specdec.delay_proxy", "--listen", "127.0.0.1:0", "--upstream", upstream,
+    """A ``python -m specdec_app.delay_proxy`` process; its address (the JSON line it prints)."""
+    cmd = [sys.executable, "-m", "specdec_app.delay_proxy", "--listen", "127.0.0.1:0", "--upstream", upstream,
            "--rtt-ms", str(rtt_ms)]
     proc = children.start(name, cmd, capture_stdout=True)
     assert proc.stdout is not None
@@ -426,152 +426,6 @@ def run_colocated(a: argparse.Namespace, children: Children, prompts: list[dict[
         write_outputs(a, res)
     finally:
         children.stop("orchestrator", "draft", "target")
-
-
-# ------------------------------------------------------------------ output
-def geomean(xs: Sequence[float]) -> float:
-    xs = [x for x in xs if x > 0]
-    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else 0.0
-
-
-def points(rows: list[dict[str, Any]]) -> list[tuple[str, float]]:
-    """(topology, RTT) in run order."""
-    return list(dict.fromkeys((r["topology"], r["rtt_ms"]) for r in rows))
-
-
-def summary(rows: list[dict[str, Any]]) -> dict[tuple[str, float], dict[str, float]]:
-    """Per (topology, RTT): geometric means over prompts of tokens/s per mode
-    and of each speedup."""
-    out: dict[tuple[str, float], dict[str, float]] = {}
-    for key in points(rows):
-        sel = [r for r in rows if (r["topology"], r["rtt_ms"]) == key]
-        s: dict[str, float] = {}
-        for mode in MODES:
-            m = [r for r in sel if r["mode"] == mode]
-            s[f"{mode} tok/s"] = geomean([r["tokens_per_second"] for r in m])
-            if mode != "off":
-                s[f"{mode}/off"] = geomean([r["speedup_vs_off"] for r in m])
-            if mode in ("stream", "run-ahead"):
-                s[f"{mode}/unary"] = geomean([r["speedup_vs_unary"] or 0.0 for r in m])
-        out[key] = s
-    return out
-
-
-COLUMNS = ("prompt | mode | tok/s | wall ms | rounds | accept | mean acc. len | draft ms | verify ms | "
-           "draft hidden ms | post-verified | round overhead p50 ms | overhead ms | vs OFF | vs unary | identical")
-
-
-def _md_row(r: dict[str, Any]) -> str:
-    ident = "yes" if r["identical_to_off"] else f"**NO** ({r['mismatched_runs']}/{r['runs']} runs)"
-    vs_unary = f"{r['speedup_vs_unary']:.2f}×" if r["speedup_vs_unary"] is not None else ""
-    return (f"| {r['prompt']} | {r['mode']} | {r['tokens_per_second']:.2f} | {r['wall_ms']:.0f} | {r['rounds']} | "
-            f"{r['acceptance_rate']:.2f} | {r['mean_accepted_length']:.2f} | {r['draft_ms']:.0f} | "
-            f"{r['verify_ms']:.0f} | {r['draft_hidden_ms']:.0f} | {r['post_verified']} | "
-            f"{r['round_overhead_p50_ms']:.1f} | {r['overhead_ms']:.0f} | {r['speedup_vs_off']:.2f}× | {vs_unary} | "
-            f"{ident} |")
-
-
-def mismatches(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rows if not r["identical_to_off"]]
-
-
-def to_markdown(res: dict[str, Any]) -> str:
-    rows = res["rows"]
-    meta = res["meta"]
-    spec = f"FIXED γ={meta['gamma']}" if meta["policy"] == "fixed" else "AUTO"
-    lines = ["# Draft modes across topologies", "",
-             (f"Run {meta['date']} on {meta['cpu']} ({meta['cpus']} CPUs; CPU siblings: {meta['cpu_siblings']}); "
-              f"greedy, {meta['max_new_tokens']} new tokens (ignore_eos), speculation {spec}, best of "
-              f"{meta['repeats']} per mode. Command: `{meta['command']}`"), ""]
-    for name, t in res["topologies"].items():
-        n = t["target_numerics"]
-        lines.append(f"- {name}: target {n['dtype']}/{n['backend']} on {n['device']}, cpus {t['cpus']}, "
-                     f"threads {t['threads'] or 'default'}")
-    bad = mismatches(rows)
-    lines += ["", "## Greedy identity", ""]
-    if bad:
-        lines.append(f"**{len(bad)} configuration(s) differ from OFF:**")
-        lines.append("")
-        for r in bad:
-            d = r.get("divergence") or {}
-            lines.append(f"- **{r['topology']} RTT {r['rtt_ms']:g} ms, {r['prompt']}, {r['mode']}**: "
-                         f"{r['mismatched_runs']}/{r['runs']} runs; first at token {d.get('position')} "
-                         f"(OFF top-1/top-2 logit gap {d.get('reference_top2_logit_gap')})")
-    else:
-        n = sum(r["runs"] for r in rows if r["mode"] != "off")
-        lines.append(f"Every speculative run produced OFF's tokens ({n} runs).")
-    summ = summary(rows)
-    keys = list(next(iter(summ.values())).keys()) if summ else []
-    lines += ["", "## Summary (geometric mean over prompts)", "",
-              "| topology | RTT ms | measured added RTT ms (target/draft) | " + " | ".join(keys) + " |",
-              "|---" * (len(keys) + 3) + "|"]
-    for (topo, rtt), s in summ.items():
-        m = next(r["measured_rtt_ms"] for r in rows if (r["topology"], r["rtt_ms"]) == (topo, rtt))
-        added = f"{m['target_added']:.2f} / {m['draft_added']:.2f}" if "target_added" in m else "direct"
-        lines.append(f"| {topo} | {rtt:g} | {added} | " + " | ".join(
-            f"{v:.2f}" if k.endswith("tok/s") else f"{v:.2f}×" for k, v in s.items()) + " |")
-    for topo, rtt in points(rows):
-        lines += ["", f"## {topo}, RTT {rtt:g} ms", "", f"| {COLUMNS} |", "|---" * (COLUMNS.count("|") + 1) + "|"]
-        lines += [_md_row(r) for r in rows if (r["topology"], r["rtt_ms"]) == (topo, rtt)]
-    return "\n".join(lines) + "\n"
-
-
-def plots(res: dict[str, Any], out: Path) -> list[Path]:
-    """Pinned: tokens/s per mode against RTT (one panel per prompt), and
-    stream / run-ahead over unary against RTT."""
-    rows = [r for r in res["rows"] if r["topology"] == "pinned"]
-    rtts = sorted({r["rtt_ms"] for r in rows})
-    if len(rtts) < 1:
-        return []
-    plt = pyplot()
-    if plt is None:
-        return []
-    prompts = list(dict.fromkeys(r["prompt"] for r in rows))
-    paths = []
-
-    def value(prompt: str, mode: str, rtt: float, key: str) -> float:
-        return next((float(r[key] or 0.0) for r in rows if (r["prompt"], r["mode"], r["rtt_ms"]) == (prompt, mode, rtt)),
-                    math.nan)
-
-    cols = min(3, len(prompts))
-    nrows = math.ceil(len(prompts) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.5 * nrows), squeeze=False)
-    for i, prompt in enumerate(prompts):
-        ax = axes[i // cols][i % cols]
-        for j, mode in enumerate(MODES):
-            ax.plot(rtts, [value(prompt, mode, t, "tokens_per_second") for t in rtts], marker="o",
-                    color=f"C{j}", ls="--" if mode == "off" else "-", label=mode)
-        ax.set_title(prompt, fontsize=9)
-        ax.set_xlabel("added RTT per link (ms)")
-        ax.set_ylabel("tokens/s")
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7)
-    for k in range(len(prompts), nrows * cols):
-        axes[k // cols][k % cols].set_visible(False)
-    fig.suptitle("pinned (a core each): tokens/s per draft mode", fontsize=9)
-    fig.tight_layout()
-    paths.append(out / "pinned_tokens_per_s_vs_rtt.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for j, mode in enumerate(("run-ahead", "stream")):
-        style = "-" if mode == "run-ahead" else ":"
-        for prompt in prompts:
-            ax.plot(rtts, [value(prompt, mode, t, "speedup_vs_unary") for t in rtts], style, color=f"C{j}",
-                    lw=0.8, alpha=0.5)
-        ax.plot(rtts, [geomean([value(p, mode, t, "speedup_vs_unary") for p in prompts]) for t in rtts], style,
-                color=f"C{j}", lw=2.2, marker="o", label=f"{mode} / unary (geomean; thin: per prompt)")
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xlabel("added RTT per link (ms)")
-    ax.set_ylabel("speedup over unary")
-    ax.set_title("pinned: run-ahead and stream against unary drafting", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "pinned_speedup_over_unary_vs_rtt.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
 
 
 def write_outputs(a: argparse.Namespace, res: dict[str, Any]) -> None:

@@ -27,9 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from specdec.models import DEFAULT_TARGET  # noqa: E402 (after the sys.path line)
 from target_service.backends import compute_threads, cpu_info, eligible_pairs, set_compute_threads  # noqa: E402
 from target_service.calibration import pick_pair  # noqa: E402
-from target_service.engine import load_model, measure_forward_curve, parse_dtype  # noqa: E402
+from target_service.loading import load_model, measure_forward_curve, parse_dtype  # noqa: E402
 
 
 def machine() -> dict[str, object]:
@@ -62,7 +63,7 @@ def prefill_ms(model: torch.nn.Module, n: int, reps: int = 1) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="model spec (specdec.models.resolve)")
+    p.add_argument("--model", default=DEFAULT_TARGET, help="model spec (specdec.models.resolve)")
     p.add_argument("--cache-dir", type=Path, default=None)
     p.add_argument("--pairs", default="", help="dtype/backend,... (default: every eligible pair on this CPU)")
     p.add_argument("--ks", default="1,2,3,4,5,6,8,12,16")
@@ -142,7 +143,7 @@ def to_markdown(res: dict) -> str:  # type: ignore[type-arg]
 
 
 def plot(res: dict, path: Path) -> None:  # type: ignore[type-arg]
-    from specdec.bench import plot_curves
+    from specdec_app.bench_report import plot_curves
 
     series = {key + (" (auto)" if key == res["auto_choice"] else ""): {int(k): v for k, v in r["t_ms"].items()}
               for key, r in res["pairs"].items()}

@@ -195,7 +195,7 @@ def to_markdown(res: dict) -> str:  # type: ignore[type-arg]
 
 
 def plot(res: dict, path: Path) -> None:  # type: ignore[type-arg]
-    from specdec.bench import plot_curves
+    from specdec_app.bench_report import plot_curves
 
     series, styles = {}, {}
     for name, r in res["models"].items():

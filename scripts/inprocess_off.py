@@ -25,10 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from specdec.models import DEFAULT_TARGET  # noqa: E402 (after the sys.path line)
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--model", default=DEFAULT_TARGET)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--backend", default="bf16w")
     p.add_argument("--only", action="append")
@@ -39,7 +41,7 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from specdec.bench import REPO_PROMPTS
+    from specdec_app.bench import REPO_PROMPTS
     from specdec.models import default_cache_dir, resolve
     from specdec.sampling import SamplingConfig
     from target_service.engine import TargetEngine
@@ -49,7 +51,7 @@ def main() -> int:
     engine = TargetEngine(resolved.hf_dir, dtype=a.dtype, backend=a.backend, model_name=resolved.name)
     client = None
     if a.services:
-        from specdec.client import Client
+        from specdec_app.client import Client
 
         client = Client(a.services)
     prompts = [json.loads(line) for line in REPO_PROMPTS.read_text().splitlines() if line.strip()]

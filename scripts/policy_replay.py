@@ -37,6 +37,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402 (after the sys.path line)
+
 MAX_SPAN = 16
 
 
@@ -223,8 +225,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("collect")
-    c.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    c.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    c.add_argument("--target", default=DEFAULT_TARGET)
+    c.add_argument("--draft", default=DEFAULT_DRAFT)
     c.add_argument("--precision", default="int4")
     c.add_argument("--prompts", default=str(REPO / "benchmarks" / "prompts.jsonl"))
     c.add_argument("--only", action="append")

@@ -41,7 +41,7 @@ def main() -> int:
     a = p.parse_args()
 
     from draft_service.config import DrafterSpec
-    from specdec.tiny import build_tiny_model
+    from tests.tiny import build_tiny_model
     from tests.stack import start_stack
 
     root = Path(tempfile.mkdtemp())

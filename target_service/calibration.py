@@ -364,7 +364,7 @@ def calibrate(
     has no curve."""
     import gc
 
-    from target_service.engine import load_model, measure_forward_curve, parse_dtype
+    from target_service.loading import load_model, measure_forward_curve, parse_dtype
 
     pairs, how = resolve_pairs(dtype, backend, device)
     if not measure:

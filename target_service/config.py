@@ -6,13 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.models import DEFAULT_TARGET
 from specdec.tls import TlsServerConfig
 from target_service.batching import BatchLimits
 
 
 @dataclass
 class TargetServiceConfig:
-    model: str = "qwen2.5-coder-1.5b-instruct"  # a model spec (see specdec.models.resolve)
+    model: str = DEFAULT_TARGET  # a model spec (see specdec.models.resolve)
     host: str = "127.0.0.1"
     port: int = 50053  # 0 = pick a free port
     # auto = measured at start-up (target_service/calibration.py): on CPU the

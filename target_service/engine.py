@@ -1,5 +1,7 @@
 """Target engine: a transformers causal LM with per-session KV caches,
-prefill, exact span verification and rollback. Plain Python, no gRPC.
+prefill, exact span verification and rollback. Plain Python, no gRPC. The
+calls it serves are in target_service/calls.py, model loading in
+target_service/loading.py.
 
 Every public method runs on the model worker thread (see
 ``specdec.grpc_util.ModelWorker``), so sessions are never mutated
@@ -17,20 +19,18 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Collection, Sequence, Union
+from typing import Collection, Sequence
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError
 from specdec.logging_util import log
-from target_service.backends import apply_backend, load_dtype, set_compute_threads
 from specdec.sampling import (
     SamplingConfig,
     SparseQ,
-    VerifyResult,
     greedy_verify,
     logit_gaps,
     make_generator,
@@ -38,99 +38,11 @@ from specdec.sampling import (
     rejection_sample,
     sample,
 )
+from specdec.tokenization import eos_token_ids
+from target_service.calls import Call, ForwardInfo, Outcome, PrefillCall, PrefillOutcome, VerifyCall, VerifyOutcome
+from target_service.loading import load_model, output_vocab_size, parse_dtype, pick_device, set_threads
 
 logger = logging.getLogger("specdec.target")
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
-
-
-def pick_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
-
-
-def set_threads(device: torch.device, threads: int) -> None:
-    if device.type == "cpu":
-        if threads > 0:
-            torch.set_num_threads(threads)
-        set_compute_threads(threads)
-
-
-def load_model(
-    hf_dir: Path, dtype: torch.dtype, backend: str, device: torch.device, name: str | None = None
-) -> torch.nn.Module:
-    """Loads the target in ``dtype`` onto ``device`` and converts it for
-    ``backend`` (target_service.backends)."""
-    t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=load_dtype(dtype, backend))
-    model.to(device)
-    model.eval()
-    load_s = time.perf_counter() - t0
-    with torch.inference_mode():
-        model = apply_backend(model, backend, dtype, device)
-    if device.type == "cpu":
-        from target_service.attention import use_packed_gqa
-
-        use_packed_gqa(model)  # verify passes without copying K/V per query head
-    log(
-        logger,
-        logging.INFO,
-        "target model loaded",
-        model=name or str(hf_dir),
-        dtype=str(dtype).removeprefix("torch."),
-        backend=backend,
-        device=str(device),
-        load_s=round(load_s, 2),
-        convert_s=round(time.perf_counter() - t0 - load_s, 2),
-    )
-    return model
-
-
-def output_vocab_size(model: torch.nn.Module) -> int:
-    """Rows of the LM head (the logits' width), whatever the backend made of it."""
-    head = model.get_output_embeddings()
-    out = getattr(head, "out_features", None)
-    if out is None:
-        out = head.weight.shape[0]
-    return int(out)
-
-
-@torch.inference_mode()
-def measure_forward_curve(
-    model: torch.nn.Module, device: torch.device, ks: Sequence[int], kv_tokens: int, budget_s: float = 30.0
-) -> dict[int, float]:
-    """t(k) in ms: one forward pass of k new tokens behind ``kv_tokens`` of
-    KV cache, as a 1-token step or a (k-1)-token verify runs it (the LM head
-    on the last k rows, the cache cropped back after every pass)."""
-    from target_service.calibration import measure_curve
-
-    vocab = output_vocab_size(model)
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (1, kv_tokens), generator=gen).to(device)
-    kwarg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-    cache = DynamicCache(config=model.config)
-    model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{kwarg: cache})
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def forward(k: int) -> None:
-        ids = torch.randint(0, vocab, (1, k), generator=gen).to(device)
-        model(input_ids=ids, use_cache=True, logits_to_keep=k, **{kwarg: cache})
-        sync()
-
-    def reset() -> None:
-        written = cache.get_seq_length()
-        if written > kv_tokens:
-            cache.crop(kv_tokens - written)
-
-    return measure_curve(forward, reset, ks, budget_s=budget_s)
 
 
 @dataclass
@@ -141,77 +53,6 @@ class TargetSession:
     cache: DynamicCache
     cache_len: int = 0
     last_used: float = field(default_factory=time.monotonic)
-
-
-@dataclass(frozen=True)
-class PrefillOutcome:
-    session_id: str
-    next_token: int | None
-    logit_gap: float
-    cache_len: int
-
-
-@dataclass(frozen=True)
-class VerifyOutcome:
-    result: VerifyResult
-    cache_len: int
-    logit_gaps: list[float]  # one per committed token (accepted + next)
-
-
-@dataclass(frozen=True)
-class PrefillCall:
-    """One Prefill request as the batch scheduler queues it."""
-
-    token_ids: list[int]
-    cfg: SamplingConfig
-    sample_next: bool
-    rng_offset: int = 0
-
-    session_id = ""  # a new session: never collides with another call in a batch
-
-    @property
-    def past_len(self) -> int:
-        return 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(frozen=True)
-class VerifyCall:
-    """One Verify request as the batch scheduler queues it."""
-
-    session_id: str
-    cache_len: int
-    new_ids: list[int]
-    draft_ids: list[int]
-    draft_q: list[SparseQ | None]
-    # post-verify: a token drafted at the bonus position on the span's prefix,
-    # and its q (None = one-hot); never fed into the cache
-    post_id: int | None = None
-    post_q: SparseQ | None = None
-
-    @property
-    def past_len(self) -> int:
-        return self.cache_len
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.new_ids) + len(self.draft_ids)
-
-
-Call = Union[PrefillCall, VerifyCall]
-Outcome = Union[PrefillOutcome, VerifyOutcome]
-
-
-@dataclass(frozen=True)
-class ForwardInfo:
-    """The forward pass that served a call: rows (calls) in it and their real
-    (unpadded) input tokens."""
-
-    batch_size: int
-    batch_tokens: int
 
 
 @dataclass
@@ -266,7 +107,10 @@ class TargetEngine:
         self.protect_active_s = protect_active_s
         self.max_span = max_span
         self.max_draft_support = max_draft_support
-        self.eos_token_ids = _eos_ids(self.model)
+        self.eos_token_ids = eos_token_ids(
+            getattr(getattr(self.model, "generation_config", None), "eos_token_id", None),
+            getattr(self.model.config, "eos_token_id", None),
+        )
         # transformers >= 5.2x renames `past_key_values` to `cache`
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -692,14 +536,3 @@ class TargetEngine:
         )
         assert isinstance(out, VerifyOutcome)
         return out
-
-
-def _eos_ids(model: torch.nn.Module) -> list[int]:
-    ids: set[int] = set()
-    for src in (getattr(model, "generation_config", None), model.config):
-        val = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(val, int):
-            ids.add(val)
-        elif isinstance(val, (list, tuple)):
-            ids.update(int(v) for v in val)
-    return sorted(ids)

@@ -17,22 +17,15 @@ from specdec.errors import InvalidArgument, Unavailable
 from specdec.grpc_util import ServerHandle, WorkTiming, drain, start_server, translate_errors
 from specdec.logging_util import log
 from specdec.metrics import BatchMetrics, ModelServiceMetrics, export_calibration, serve_metrics
-from specdec.sampling import SamplingConfig
+from specdec.sampling import SamplingConfig, SparseQ
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.batching import BatchReport, BatchScheduler
 from target_service.config import TargetServiceConfig
 from target_service.backends import cpu_info
 from target_service.calibration import CalibrationResult, calibrate
-from target_service.engine import (
-    PrefillCall,
-    PrefillOutcome,
-    SparseQ,
-    TargetEngine,
-    VerifyCall,
-    VerifyOutcome,
-    pick_device,
-    set_threads,
-)
+from target_service.calls import PrefillCall, PrefillOutcome, VerifyCall, VerifyOutcome
+from target_service.engine import TargetEngine
+from target_service.loading import pick_device, set_threads
 
 logger = logging.getLogger("specdec.target")
 

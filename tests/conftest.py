@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.tiny import build_tiny_model
+from tests.tiny import build_tiny_model
 
 #: 33 characters -> vocab 34 (must not equal a Linear width: see build_tiny_model)
 TINY_CHARS = "abcdefghijklmnopqrstuvwxyz .,:!?\n"

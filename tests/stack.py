@@ -338,7 +338,7 @@ def start_service_process(
     """Starts ``specdec serve target|draft`` for a tiny model (one thread; the
     draft hosts only its model drafter). Call ``wait_serving()`` before use."""
     port, metrics_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "specdec.cli", "serve", service, "--model", str(model_dir), "--port", str(port),
+    cmd = [sys.executable, "-m", "specdec_app.cli", "serve", service, "--model", str(model_dir), "--port", str(port),
            "--cache-dir", str(cache_dir), "--log-level", "warning", "--threads", "1",
            "--metrics-port", str(metrics_port), "--drain-timeout", str(drain_timeout_s)]
     if service == "draft":

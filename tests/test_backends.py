@@ -21,7 +21,9 @@ from transformers import DynamicCache
 from specdec.sampling import SamplingConfig
 from target_service import calibration as cal
 from target_service.backends import PackedLinear, cpu_info, eligible_pairs, packed_supported
-from target_service.engine import PrefillCall, TargetEngine, VerifyCall, load_model, measure_forward_curve
+from target_service.calls import PrefillCall, VerifyCall
+from target_service.engine import TargetEngine
+from target_service.loading import load_model, measure_forward_curve
 
 # float32 GEMMs in another blocking order: observed max |Δlogit| ≈ 2e-6 on the
 # tiny model (and 5e-5 on the 1.5B target, docs/benchmarks.md)
@@ -340,9 +342,9 @@ def test_calibration_skips_pairs_that_would_not_fit_in_memory(tiny_models, tmp_p
 
 
 def test_cli_refuses_a_pair_this_machine_cannot_run_with_one_line() -> None:
-    from specdec.cli import build_parser, target_config
+    from specdec_app.cli import build_parser
+    from target_service.cli import config_from_args as target_config
 
     a = build_parser().parse_args(["serve", "target", "--dtype", "float32", "--backend", "bf16w"])
-    a.target_model, a.target_threads = "x", 0
     with pytest.raises(SystemExit, match="specdec: --target-backend bf16w cannot run float32"):
         target_config(a, 0)

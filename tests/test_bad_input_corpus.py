@@ -31,7 +31,7 @@ from specdec.v1 import common_pb2, draft_pb2, target_pb2
 from tests.stack import Stack, free_port, make_request, scrape_metrics, start_stack
 
 VOCAB = 34  # tests/conftest.py TINY_CHARS + 1
-CONTEXT = 512  # specdec.tiny max_position_embeddings
+CONTEXT = 512  # tests.tiny max_position_embeddings
 TARGET_SPAN = 32  # TargetServiceConfig.max_span
 DRAFT_SPAN = 16  # DraftServiceConfig.max_span
 OVERSIZE = 9 * 1024 * 1024  # over the 8 MiB default message limit

@@ -25,7 +25,8 @@ from orchestrator.clients import GrpcTargetClient, make_channel
 from specdec.sampling import SamplingConfig, process_logits
 from specdec.v1 import target_pb2
 from target_service.batching import BatchLimits, BatchScheduler, admissible_prefix
-from target_service.engine import PrefillCall, TargetEngine, VerifyCall, _Row
+from target_service.calls import PrefillCall, VerifyCall
+from target_service.engine import TargetEngine, _Row
 from tests.stack import Stack, start_stack
 
 
@@ -148,11 +149,12 @@ def test_cli_refuses_bad_batch_flags_before_starting() -> None:
     """`specdec serve target` and `specdec up` turn out-of-range batching
     flags into a one-line error naming the value, not a traceback from the
     scheduler at start-up."""
-    from specdec.cli import build_parser, cmd_up, target_config
+    from specdec_app.cli import build_parser
+    from specdec_app.up import cmd_up
+    from target_service.cli import config_from_args as target_config
 
     def config(*flags: str) -> Any:
         a = build_parser().parse_args(["serve", "target", *flags])
-        a.target_model, a.target_threads = "tiny", a.threads  # as cmd_serve sets them
         return target_config(a, 0)
 
     assert config("--batch-regroup-ms", "10").batch_limits().regroup_ms == 10.0

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specdec import bench
+from specdec_app import bench, bench_report
 from tests.stack import start_stack
 
 
@@ -74,7 +74,7 @@ def test_speedup_against_the_fastest_target_only_configuration() -> None:
     assert (b["fastest_off"], b["speedup_vs_fastest_off"]) == ("float32/packed", 3.0 / 2.5)
     for r in res["rows"]:
         r.update(drafter="d", mode="auto", gamma=0)
-    md = "\n".join(bench.fastest_table(res["rows"]))
+    md = "\n".join(bench_report.fastest_table(res["rows"]))
     assert "| a | d | auto | adaptive | 8.00 | 2.50 | bfloat16/eager | 4.00 | 2.00× |" in md
 
 

@@ -1,4 +1,4 @@
-"""specdec.delay_proxy: real gRPC calls (grpc health, and a bytes echo
+"""specdec_app.delay_proxy: real gRPC calls (grpc health, and a bytes echo
 service for large messages and bidirectional streams) through the proxy at
 RTT 0 and 20 ms arrive intact, and the 20 ms proxy adds at least 20 ms to a
 unary round trip (a lower bound only: this machine's timing has no upper
@@ -23,7 +23,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from specdec.delay_proxy import DelayProxy, start_delay_proxy
+from specdec_app.delay_proxy import DelayProxy, start_delay_proxy
 
 MB = 1 << 20
 OPTIONS = [("grpc.max_send_message_length", 16 * MB), ("grpc.max_receive_message_length", 16 * MB)]
@@ -133,7 +133,7 @@ def test_a_refused_upstream_closes_the_client_side() -> None:
 
 def test_cli_prints_its_address_and_stops_on_sigterm(echo: tuple[health.HealthServicer, int]) -> None:
     _, port = echo
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.delay_proxy", "--listen", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "specdec_app.delay_proxy", "--listen", "127.0.0.1:0",
                              "--upstream", f"127.0.0.1:{port}", "--rtt-ms", "2"], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from specdec.cli import build_parser
+from specdec_app.cli import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
 OVERLAYS = ["dev-cpu", "prod-gpu"]
@@ -86,12 +86,11 @@ def test_container_args_parse_with_the_cli_and_match_ports_and_probes(overlay: A
 
 
 def test_orchestrator_discovers_the_headless_services(overlay: Any) -> None:
-    from specdec.cli import orchestrator_config
+    from orchestrator.cli import config_from_args as orchestrator_config
 
     _, docs = overlay
     services = by_kind(docs, "Service")
     a = parse(container_args(docs, by_kind(docs, "Deployment")["specdec-orchestrator"]))
-    a.target_model = a.model  # as cmd_serve does
     cfg = orchestrator_config(a, a.port)
     for component, addresses in (("target", cfg.target_addresses), ("draft", cfg.draft_addresses)):
         (entry,) = addresses

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -16,8 +16,9 @@ import torch
 from scipy import stats
 from transformers import AutoModelForCausalLM
 
-from draft_service.drafter import OnnxDrafter, Proposal
+from draft_service.drafter import DraftLoop, DraftRequest, OnnxDrafter, Proposal
 from draft_service.onnx_model import OnnxCausalLM
+from draft_service.tli import Intersection
 from specdec.errors import InvalidArgument
 from specdec.sampling import SamplingConfig, draft_distribution
 
@@ -222,3 +223,45 @@ def test_bad_calls(drafter: OnnxDrafter) -> None:
         drafter.propose(drafter.new_state(), [], 2, SamplingConfig(), rng)
     with pytest.raises(InvalidArgument):
         drafter.propose(drafter.new_state(), [1], 0, SamplingConfig(), rng)
+
+
+def test_a_vocab_hook_restricts_and_maps_ids(drafter: OnnxDrafter) -> None:
+    """The shared loop with a restriction to even draft ids, proposed as id // 2
+    (the TLI hook's shape): greedy picks the argmax among the even ids, feeds
+    the draft id back and sends q over the mapped ids."""
+    even = np.arange(0, drafter.vocab_size, 2, dtype=np.int64)
+    loop = DraftLoop(drafter.model, 8, Intersection(even, (even // 2).astype(np.int32)))
+    committed = [int(x) for x in np.random.default_rng(3).integers(1, 34, 12)]
+    state = drafter.new_state()
+    p = loop.run(state, committed, DraftRequest(committed, 3, SamplingConfig(), np.random.default_rng(0)))
+    fed = list(committed)
+    for x, (ids, probs) in zip(p.token_ids, p.q):
+        logits = drafter.model.forward(drafter.model.new_state(), fed)[-1]
+        assert x == int(np.argmax(logits[even]))
+        assert ids.tolist() == [x] and probs.tolist() == [1.0]
+        fed.append(2 * x)
+    assert len(p.token_ids) == 3 and state.tokens == fed[:-1]
+
+
+def test_a_failed_step_resets_the_state(drafter: OnnxDrafter, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure inside the loop leaves an empty cache and token list, never
+    a cache out of step with its tokens; the next call drafts as a fresh one."""
+    committed = [int(x) for x in np.random.default_rng(4).integers(1, 34, 10)]
+    cfg = SamplingConfig()
+    state = drafter.new_state()
+    drafter.propose(state, committed, 2, cfg, np.random.default_rng(0))
+    forward = drafter.model.forward
+    calls = iter(range(10))
+
+    def failing(cache: Any, ids: list[int]) -> np.ndarray:
+        if next(calls) == 1:  # the first drafted token's forward
+            raise RuntimeError("boom")
+        return forward(cache, ids)
+
+    monkeypatch.setattr(drafter.model, "forward", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        drafter.propose(state, committed + [5], 3, cfg, np.random.default_rng(0))
+    assert state.cache.length == 0 and state.tokens == []
+    monkeypatch.undo()
+    got = drafter.propose(state, committed + [5], 3, cfg, np.random.default_rng(0))
+    _assert_same(got, drafter.propose(drafter.new_state(), committed + [5], 3, cfg, np.random.default_rng(0)))

@@ -3,18 +3,16 @@ bookkeeping, error codes, session limit and idle reaping."""
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
 import pytest
 
-from draft_service.drafter import Drafter, Proposal
+from draft_service.drafter import Drafter, DraftRequest, Proposal
 from draft_service.sessions import SessionStore
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specdec.sampling import SamplingConfig
 
 
-class EchoDrafter:
+class EchoDrafter(Drafter):
     """Proposes the last committed token repeated; records what it was given."""
 
     name = "echo"
@@ -26,19 +24,11 @@ class EchoDrafter:
     def new_state(self) -> list[int]:
         return []
 
-    def propose(
-        self,
-        state: list[int],
-        committed: Sequence[int],
-        num_tokens: int,
-        cfg: SamplingConfig,
-        rng: np.random.Generator,
-        min_confidence: float = 0.0,
-    ) -> Proposal:
-        self.calls.append(list(committed))
-        x = committed[-1]
+    def draft(self, state: list[int], req: DraftRequest) -> Proposal:
+        self.calls.append(list(req.committed))
+        x = req.committed[-1]
         q = (np.array([x], dtype=np.int32), np.ones(1, dtype=np.float32))
-        return Proposal([x] * num_tokens, [q] * num_tokens)
+        return Proposal([x] * req.num_tokens, [q] * req.num_tokens)
 
 
 class Clock:
@@ -49,9 +39,9 @@ class Clock:
         return self.t
 
 
-def test_echo_drafter_satisfies_the_protocol() -> None:
+def test_echo_drafter_implements_the_interface() -> None:
     d: Drafter = EchoDrafter()
-    assert d.name == "echo"
+    assert d.name == "echo" and not d.inline
 
 
 def test_committed_is_base_prefix_plus_new_tokens() -> None:

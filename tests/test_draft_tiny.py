@@ -1,4 +1,4 @@
-"""specdec.tiny (tiny test models) and specdec.tokenization."""
+"""tests.tiny (tiny test models) and specdec.tokenization."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdec.tiny import build_tiny_model, build_tiny_tokenizer
+from tests.tiny import build_tiny_model, build_tiny_tokenizer
 from specdec.tokenization import tokenizer_fingerprint
 
 TINY_CHARS = "abcdefghijklmnopqrstuvwxyz .,:!?\n"  # as in conftest

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 
 from draft_service.config import DrafterSpec
 from specdec.sampling import SamplingConfig
-from specdec.tiny import build_tiny_model
+from tests.tiny import build_tiny_model
 from specdec.tokenization import tokenizer_fingerprint
 from specdec.v1 import common_pb2, draft_pb2
 from tests.stack import Stack, start_stack

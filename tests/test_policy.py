@@ -9,11 +9,11 @@ from collections import Counter
 
 import pytest
 
+from orchestrator.costs import CostModel
 from orchestrator.policy import (
     AcceptancePrior,
     AdaptiveConfig,
     AdaptivePolicy,
-    CostModel,
     HeuristicPolicy,
     PolicyFactory,
     RoundObservation,
@@ -293,12 +293,13 @@ def test_confidence_stop_rises_with_the_rounds_yield_is_capped_and_can_be_turned
 
 
 def test_cli_hands_the_confidence_stop_to_the_orchestrator_and_refuses_bad_values() -> None:
-    from orchestrator.server import OrchestratorServicer
-    from specdec.cli import build_parser, cmd_up, orchestrator_config
+    from orchestrator.servicer import OrchestratorServicer
+    from orchestrator.cli import config_from_args as orchestrator_config
+    from specdec_app.cli import build_parser
+    from specdec_app.up import cmd_up
 
     def config(*flags: str) -> Any:
         a = build_parser().parse_args(["serve", "orchestrator", *flags])
-        a.target_model = "tiny"  # as cmd_serve sets it
         return orchestrator_config(a, 0)
 
     assert config().confidence_stop_scale == 1.0 and config().min_confidence == 0.0

@@ -18,7 +18,8 @@ import pytest
 from specdec.errors import InvalidArgument
 from specdec.sampling import SamplingConfig, SparseQ, VerifyResult
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_service.engine import TargetEngine, VerifyCall, VerifyOutcome
+from target_service.calls import VerifyCall, VerifyOutcome
+from target_service.engine import TargetEngine
 from tests.stack import LoopThread
 
 PROMPT = [3, 5, 7, 9, 11]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from orchestrator.config import RoutingConfig
-from orchestrator.decode import PrefillReply, ProposeReply, VerifyReply
+from orchestrator.protocols import PrefillReply, ProposeReply, VerifyReply
 from orchestrator.routing import (
     ReplicaPool,
     RoutedDraft,
@@ -341,11 +341,11 @@ def test_discovery_refresh_from_a_file_and_dns(tmp_path: Path) -> None:
 
 
 def test_cli_builds_the_routing_config() -> None:
-    from specdec.cli import build_parser, orchestrator_config
+    from orchestrator.cli import config_from_args as orchestrator_config
+    from specdec_app.cli import build_parser
 
     def config(*flags: str) -> Any:
         a = build_parser().parse_args(["serve", "orchestrator", *flags])
-        a.target_model = "tiny"  # as cmd_serve sets it
         return orchestrator_config(a, 50051)
 
     cfg = config("--target-address", "t1:50053, dns:///specdec-target-headless:50053", "--draft-address", "",

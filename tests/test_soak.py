@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.loadbench import rss_mb
+from specdec_app.loadbench import rss_mb
 from tests.stack import start_stack
 
 SOAK_SECONDS = 120.0

@@ -192,7 +192,7 @@ def test_tokens_rotate_without_restart(stack: Stack, tokens_file: Path) -> None:
 
 def test_cli_generate_and_health_over_tls(stack: Stack, certs: Path, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    from specdec.cli import main
+    from specdec_app.cli import main
 
     token = tmp_path / "token"
     token.write_text(BOB + "\n")
@@ -358,28 +358,26 @@ def test_lookup_is_safe_under_concurrent_reloads(tmp_path: Path) -> None:
 
 
 def test_cli_flags_build_the_typed_settings(tmp_path: Path) -> None:
-    from specdec.cli import build_parser, orchestrator_config, target_config
+    from orchestrator.cli import config_from_args as orchestrator_config
+    from specdec_app.cli import build_parser
+    from target_service.cli import config_from_args as target_config
 
     a = build_parser().parse_args([
         "serve", "orchestrator", "--tls-cert", "s.crt", "--tls-key", "s.key", "--upstream-ca", "ca.crt",
         "--upstream-cert", "c.crt", "--upstream-key", "c.key", "--upstream-server-name", "specdec-target",
         "--auth-tokens-file", "tokens", "--auth-protect-health", "--max-streams-per-client", "3",
     ])
-    a.target_model = "m"
     cfg = orchestrator_config(a, 1)
     assert cfg.tls == TlsServerConfig(Path("s.crt"), Path("s.key"))
     assert cfg.upstream_tls == TlsClientConfig(Path("ca.crt"), Path("c.crt"), Path("c.key"), "specdec-target")
     assert (cfg.auth_tokens_file, cfg.auth_protect_health, cfg.max_streams_per_client) == (Path("tokens"), True, 3)
     a = build_parser().parse_args(["serve", "target", "--tls-cert", "s.crt", "--tls-key", "s.key",
                                    "--tls-client-ca", "ca.crt"])
-    a.target_model, a.target_threads = "m", 0
     assert target_config(a, 1).tls == TlsServerConfig(Path("s.crt"), Path("s.key"), Path("ca.crt"))
     a = build_parser().parse_args(["serve", "target", "--tls-cert", "s.crt"])
-    a.target_model, a.target_threads = "m", 0
     with pytest.raises(SystemExit):
         target_config(a, 1)
     plain = build_parser().parse_args(["serve", "orchestrator"])
-    plain.target_model = "m"
     cfg = orchestrator_config(plain, 1)
     assert cfg.tls is None and cfg.upstream_tls is None and cfg.auth_tokens_file is None
 
@@ -388,7 +386,7 @@ def test_cli_flags_build_the_typed_settings(tmp_path: Path) -> None:
 def test_python_client_streams_over_tls_with_a_token(stack: Stack, certs: Path) -> None:
     import asyncio
 
-    from specdec.client import AsyncClient, Client
+    from specdec_app.client import AsyncClient, Client
 
     off = generate(stack, bearer(ALICE), prompt="client hello", mode="off", max_new_tokens=16)
     tls = {"tls_ca": certs / "ca.crt"}

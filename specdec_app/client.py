@@ -1,7 +1,7 @@
 """A typed Python client for the public ``specdec.v1.Orchestrator`` API,
 blocking (:class:`Client`) and asyncio (:class:`AsyncClient`).
 
-    from specdec.client import Client
+    from specdec_app.client import Client
 
     with Client("127.0.0.1:50051") as c:
         for delta in c.stream("def fib(n):", max_new_tokens=64):
@@ -20,8 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Sequence, Union
-
-import grpc
 
 from specdec.tls import TlsClientConfig, aio_channel, sync_channel
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc

@@ -25,7 +25,7 @@ round trip beside the nominal one).
 or as a process (prints ``{"address": "127.0.0.1:PORT", ...}`` once it
 listens; runs until SIGTERM/SIGINT):
 
-    python -m specdec.delay_proxy --listen 127.0.0.1:0 --upstream 127.0.0.1:50053 --rtt-ms 2
+    python -m specdec_app.delay_proxy --listen 127.0.0.1:0 --upstream 127.0.0.1:50053 --rtt-ms 2
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ async def _run(listen: str, upstream: str, rtt_ms: float) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specdec.delay_proxy",
+    p = argparse.ArgumentParser(prog="python -m specdec_app.delay_proxy",
                                 description="TCP proxy adding a fixed delay (RTT/2 each way) to every byte.")
     p.add_argument("--listen", default="127.0.0.1:0", help="host:port to listen on (port 0 = any free port)")
     p.add_argument("--upstream", required=True, help="host:port to forward to")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import threading
 import time
@@ -32,7 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdec.bench import REPO_PROMPTS, alternating, launched_stack, machine_meta, pyplot, speculation_config, target_numerics
+from specdec_app.bench import (
+    REPO_PROMPTS,
+    alternating,
+    launched_stack,
+    machine_meta,
+    speculation_config,
+    target_numerics,
+)
+from specdec_app.bench_report import pyplot
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -412,7 +419,6 @@ def plots(res: dict[str, Any], out: Path) -> list[Path]:
 
 
 def main(a: argparse.Namespace) -> int:
-    import platform
 
     a.out.mkdir(parents=True, exist_ok=True)
     prompts = [json.loads(line) for line in a.prompts.read_text().splitlines() if line.strip()]

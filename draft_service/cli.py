@@ -1,0 +1,114 @@
+"""The draft service's flags and config builder.
+
+``specdec serve draft`` parses them unprefixed; ``specdec up`` adds the model
+flags as ``--draft-*`` (``--drafters`` and ``--default-drafter`` keep their
+names) and builds the child's command line with :meth:`FlagSet.argv`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from draft_service.config import DrafterSpec, DraftServiceConfig
+from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec.service_cli import FlagSet, cli_error, serve_command, server_tls
+
+SERVICE = "draft"
+
+# Built-in drafter names (requests choose one with speculation.drafter).
+MODEL_DRAFTER = "qwen2.5-coder-0.5b"  # the same-tokenizer model drafter (--draft-model)
+TLI_DRAFTER = "smollm2-135m"  # the different-tokenizer drafter (token-level intersection)
+PROMPT_LOOKUP_DRAFTER = "prompt-lookup"  # model-free n-gram drafter
+AUTO_DRAFTER = "auto"  # optional: prompt lookup while it matches well, else the model drafter
+DEFAULT_DRAFTERS = f"{MODEL_DRAFTER},{TLI_DRAFTER},{PROMPT_LOOKUP_DRAFTER}"
+DEFAULT_TLI_MODEL = "smollm2-135m-instruct"
+PRECISIONS = ["int4", "int8", "fp32", "fp16"]
+
+
+def add_arguments(p: argparse._ActionsContainer, prefix: str = "", *, spin_default: str = "on") -> FlagSet:
+    """The draft's model, runtime and drafter flags. ``spin_default``: ``specdec up``
+    shares its cores with the target, where spinning workers slow the target's
+    next verify (docs/benchmarks.md), so it passes "off"; a draft pod spins."""
+    f = FlagSet(p, prefix)
+    f.add("model", dest="draft_model", default=DEFAULT_DRAFT, help="draft model spec")
+    f.add("precision", dest="draft_precision", default="int4", choices=PRECISIONS,
+          help="ONNX export precision of the draft")
+    f.add("execution", dest="draft_execution", default="auto", choices=["auto", "cpu", "cuda"],
+          help="draft execution provider")
+    f.add("threads", dest="draft_threads", type=int, default=0, help="onnxruntime intra-op threads (0 = all)")
+    f.add("spin", dest="draft_spin", default=spin_default, choices=["on", "off"],
+          help="onnxruntime worker spin-waiting (on: lower draft latency; off: frees CPU for a co-located target)")
+    f.add("drafters", prefixed=False, default=DEFAULT_DRAFTERS,
+          help=f"comma-separated drafters the draft service hosts (built-ins: {DEFAULT_DRAFTERS}; "
+               f"optional: {AUTO_DRAFTER}, prompt lookup while it matches well, else the model drafter)")
+    f.add("default-drafter", prefixed=False, default=None,
+          help=f"drafter for requests that name none (default: {MODEL_DRAFTER} when hosted, else the first)")
+    f.add("tli-model", dest="tli_model", default=DEFAULT_TLI_MODEL,
+          help=f"model of the {TLI_DRAFTER} (different-tokenizer) drafter")
+    f.add("tli-precision", dest="tli_precision", default="int4", choices=PRECISIONS,
+          help=f"ONNX export precision of the {TLI_DRAFTER} drafter")
+    return f
+
+
+def drafter_names(a: argparse.Namespace) -> list[str]:
+    """The hosted drafters named by --drafters (a bad list stops here)."""
+    names = [n.strip() for n in str(a.drafters).split(",") if n.strip()]
+    unknown = [n for n in names if n not in (MODEL_DRAFTER, TLI_DRAFTER, PROMPT_LOOKUP_DRAFTER, AUTO_DRAFTER)]
+    if unknown or not names:
+        raise cli_error(f"--drafters: unknown or empty {unknown or names}; built-ins: {DEFAULT_DRAFTERS},{AUTO_DRAFTER}")
+    if AUTO_DRAFTER in names and MODEL_DRAFTER not in names and TLI_DRAFTER not in names:
+        raise cli_error(f"--drafters: {AUTO_DRAFTER} needs {MODEL_DRAFTER} or {TLI_DRAFTER} as its fallback")
+    return names
+
+
+def models_to_export(a: argparse.Namespace) -> list[tuple[str, str]]:
+    """(model spec, ONNX precision) of each hosted model drafter."""
+    names = drafter_names(a)
+    return ([(a.draft_model, a.draft_precision)] if MODEL_DRAFTER in names else []) + (
+        [(a.tli_model, a.tli_precision)] if TLI_DRAFTER in names else [])
+
+
+def config_from_args(a: argparse.Namespace, port: int) -> DraftServiceConfig:
+    # the model drafter keeps its built-in name on the default model, else the model's name
+    model_name = MODEL_DRAFTER if a.draft_model == DEFAULT_DRAFT else Path(a.draft_model).name or a.draft_model
+    names = drafter_names(a)
+    specs = []
+    for n in names:
+        if n == MODEL_DRAFTER:
+            specs.append(DrafterSpec(name=model_name, model=a.draft_model, precision=a.draft_precision))
+        elif n == TLI_DRAFTER:
+            specs.append(DrafterSpec(name=TLI_DRAFTER, model=a.tli_model, precision=a.tli_precision, kind="tli"))
+        elif n == AUTO_DRAFTER:
+            fallback = model_name if MODEL_DRAFTER in names else TLI_DRAFTER
+            specs.append(DrafterSpec(name=AUTO_DRAFTER, kind="auto", fallback=fallback))
+        else:
+            specs.append(DrafterSpec(name=PROMPT_LOOKUP_DRAFTER, kind="prompt-lookup"))
+    hosted = [d.name for d in specs]
+    default = a.default_drafter or MODEL_DRAFTER
+    default = model_name if default == MODEL_DRAFTER and model_name in hosted else default
+    if a.default_drafter is None and default not in hosted:
+        default = hosted[0]
+    return DraftServiceConfig(
+        host=a.host, port=port, drafters=specs, default_drafter=default,
+        target_tokenizer=a.target_tokenizer or DEFAULT_TARGET,
+        intra_op_threads=a.draft_threads, execution=a.draft_execution, cache_dir=a.cache_dir,
+        allow_spinning=a.draft_spin == "on", metrics_port=a.metrics_port, metrics_host=a.metrics_host,
+        health_port=a.health_port, tls=server_tls(a), max_queue=a.max_queue,
+    )
+
+
+def add_serve_arguments(g: argparse._ActionsContainer) -> None:
+    """``specdec serve draft`` only: the flags ``specdec up`` wires itself or leaves at their defaults."""
+    add_arguments(g)
+    g.add_argument("--target-tokenizer", default=None,
+                   help=f"the target's tokenizer (model spec) that {TLI_DRAFTER} and {PROMPT_LOOKUP_DRAFTER} "
+                        f"propose in (default {DEFAULT_TARGET})")
+    g.add_argument("--max-queue", type=int, default=256, help="pending model calls before RESOURCE_EXHAUSTED")
+
+
+def add_serve_command(sub: Any) -> None:
+    """``specdec serve draft``."""
+    serve_command(sub, SERVICE, "the drafters: draft sessions, Propose and Session streams",
+                          add_serve_arguments, "draft_service.server", config_from_args)

@@ -1,0 +1,120 @@
+"""What the decode loop needs from the services: the replies it reads
+(``PrefillReply``, ``VerifyReply``, ``ProposeReply``), the client protocols
+it calls (``TargetClient``, ``DraftClient``, ``DraftStream``) and the
+``RoundSink`` it reports every verified round to. The gRPC clients
+(orchestrator/clients.py) and the routed ones (orchestrator/routing.py)
+implement them; tests implement them without gRPC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from orchestrator.policy import RoundObservation
+from orchestrator.runahead import StreamPause, StreamToken
+from specdec.sampling import SamplingConfig, SparseQ
+
+PostToken = tuple[int, "SparseQ | None"]  # a drafted token at the bonus position and its q (None: one-hot)
+
+
+@dataclass(frozen=True)
+class PrefillReply:
+    session_id: str
+    next_token: int | None
+    logit_gap: float
+    cache_len: int
+    compute_ms: float
+
+
+@dataclass(frozen=True)
+class VerifyReply:
+    num_accepted: int
+    next_token: int
+    cache_len: int
+    logit_gaps: list[float]
+    compute_ms: float
+    queue_ms: float
+    queue_depth: int = 0
+    batch_size: int = 1  # rows in the target's forward pass that served this call
+    batch_tokens: int = 0  # real input tokens in that forward pass
+    is_post: bool = False  # next_token is the post-verified drafted token
+
+
+@dataclass(frozen=True)
+class ProposeReply:
+    token_ids: list[int]
+    q: list[SparseQ]
+    committed_len: int
+    compute_ms: float
+    confidence: list[float] = field(default_factory=list)
+    post: tuple[int, SparseQ] | None = None  # stream: the token after the span, already drafted
+    waited_ms: float = 0.0  # stream: wall time the round waited for the span
+    exposed_ms: float = 0.0  # stream: draft compute of the span's tokens that arrived while it waited
+
+
+class TargetClient(Protocol):
+    async def prefill(
+        self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int, timeout: float | None
+    ) -> PrefillReply: ...
+
+    async def verify(
+        self,
+        session_id: str,
+        cache_len: int,
+        new_ids: Sequence[int],
+        draft_ids: Sequence[int],
+        q: Sequence[SparseQ],
+        timeout: float | None,
+        post: PostToken | None = None,
+    ) -> VerifyReply: ...
+
+    async def release(self, session_id: str, timeout: float | None) -> None: ...
+
+
+class DraftStream(Protocol):
+    """An open ``Draft/Session`` stream (orchestrator/clients.py)."""
+
+    session_id: str
+
+    async def commit(self, version: int, token_ids: Sequence[int], accepted: int, draft_until: int,
+                     min_confidence: float) -> None: ...
+
+    def ready(self) -> list[StreamToken | StreamPause]: ...
+
+    async def wait(self, timeout: float) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class DraftClient(Protocol):
+    async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None, rng_offset: int = 0) -> str:
+        """A draft session; ``rng_offset`` picks a fresh random stream of a
+        seeded request for each session it recreates (docs/design.md rule 6)."""
+
+    async def propose(
+        self,
+        session_id: str,
+        base_len: int,
+        new_ids: Sequence[int],
+        num_tokens: int,
+        min_confidence: float,
+        timeout: float | None,
+    ) -> ProposeReply: ...
+
+    async def release(self, session_id: str, timeout: float | None) -> None: ...
+
+    async def open_stream(
+        self, cfg: SamplingConfig, drafter: str, rng_offset: int, token_ids: Sequence[int], draft_until: int,
+        min_confidence: float, timeout: float | None,
+    ) -> DraftStream: ...
+
+
+class RoundSink(Protocol):
+    """Receives every verified round (the metrics path)."""
+
+    def on_round(self, obs: RoundObservation, drafter: str) -> None: ...
+
+    def on_fallback(self) -> None: ...
+
+    def on_rebuild(self) -> None: ...

@@ -1,0 +1,104 @@
+"""The target service's flags and config builder.
+
+``specdec serve target`` parses them unprefixed; ``specdec up`` adds the same
+flags as ``--target-*`` and builds the child's command line with
+:meth:`FlagSet.argv`, so each flag is defined here once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+from specdec.models import DEFAULT_TARGET
+from specdec.service_cli import FlagSet, cli_error, serve_command, server_tls
+from target_service.config import TargetServiceConfig
+
+SERVICE = "target"
+
+
+def add_arguments(p: argparse._ActionsContainer, prefix: str = "") -> FlagSet:
+    """The target's model, numerics, batching and admission flags."""
+    f = FlagSet(p, prefix)
+    f.add("model", dest="target_model", default=DEFAULT_TARGET,
+          help="target model spec: built-in name, .gguf file, local HF dir or hub id")
+    f.add("dtype", dest="target_dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+          help="target dtype; auto = calibrated at start-up on CPU (bf16 on CUDA)")
+    f.add("backend", dest="target_backend", default="auto", choices=["auto", "eager", "packed", "bf16w"],
+          help="target compute backend: eager; packed (every linear prepacked for oneDNN, CPU); "
+               "bf16w (bfloat16 linear weights, float32 activations, AVX2 kernel); auto = calibrated at start-up")
+    f.add("calibrate", dest="target_calibrate", default="on", choices=["on", "off"],
+          help="time the target's forward cost t(k) at start-up (cached per machine and model); "
+               "off with dtype/backend auto takes bf16 eager untimed")
+    f.add("device", dest="target_device", default="auto", help="auto | cpu | cuda | cuda:N")
+    f.add("threads", dest="target_threads", type=int, default=0, help="torch CPU threads (0 = all)")
+    f.add("kv-budget-tokens", dest="target_kv_budget", type=int, default=65_536,
+          help="target: tokens held in KV caches (LRU eviction past it)")
+    f.add("max-batch-size", dest="max_batch_size", type=int, default=16,
+          help="target: calls from different sessions per forward pass (1 = unbatched)")
+    f.add("batch-window-ms", dest="batch_window_ms", type=float, default=2.0,
+          help="target: longest wait for more calls to batch after the oldest queued one")
+    f.add("batch-regroup-ms", dest="batch_regroup_ms", type=float, default=25.0,
+          help="target: after a forward pass, longest wait for the sessions it served to send their "
+               "next call, so streams in lockstep share one batch (at most 10%% of the pass; 0 = off)")
+    f.add("max-batch-tokens", dest="max_batch_tokens", type=int, default=512,
+          help="target: padded input tokens per forward pass (rows x longest input)")
+    f.add("max-queue", dest="max_queue", type=int, default=256, help="pending model calls before RESOURCE_EXHAUSTED")
+    f.add("max-sessions", dest="target_max_sessions", type=int, default=64,
+          help="target: sessions (KV caches) held at once")
+    f.add("session-ttl", dest="target_session_ttl", type=float, default=600.0,
+          help="target: idle sessions are released after this many seconds")
+    f.add("kv-protect-active", dest="target_kv_protect", type=float, default=10.0,
+          help="target: a new session never evicts one used within this many seconds (it gets "
+               "RESOURCE_EXHAUSTED instead; 0 = plain LRU eviction)")
+    f.add("max-span", dest="target_max_span", type=int, default=32, help="target: longest drafted span a Verify accepts")
+    p.set_defaults(target_flags=f)  # the parsed args carry the flag set, to name flags in errors
+    return f
+
+
+# config fields named in validation errors → the dest of the flag that sets them
+_FIELD_DESTS = {"max_sessions": "target_max_sessions", "session_ttl_s": "target_session_ttl",
+                "kv_protect_active_s": "target_kv_protect", "max_span": "target_max_span",
+                "max_batch_size": "max_batch_size", "max_batch_tokens": "max_batch_tokens",
+                "max_batch_kv_tokens": "target_kv_budget", "batch_window_ms": "batch_window_ms",
+                "regroup_ms": "batch_regroup_ms"}
+
+
+def config_from_args(a: argparse.Namespace, port: int) -> TargetServiceConfig:
+    """The validated config; a bad value stops here with one line naming the flag
+    as the user typed it."""
+    cfg = TargetServiceConfig(
+        model=a.target_model, host=a.host, port=port, dtype=a.target_dtype, device=a.target_device,
+        backend=a.target_backend, calibrate=a.target_calibrate == "on",
+        threads=a.target_threads, cache_dir=a.cache_dir, kv_budget_tokens=a.target_kv_budget,
+        metrics_port=a.metrics_port, metrics_host=a.metrics_host, health_port=a.health_port,
+        tls=server_tls(a),
+        max_batch_size=a.max_batch_size, batch_window_ms=a.batch_window_ms, batch_regroup_ms=a.batch_regroup_ms,
+        max_batch_tokens=a.max_batch_tokens, max_queue=a.max_queue,
+        max_sessions=a.target_max_sessions, session_ttl_s=a.target_session_ttl,
+        kv_protect_active_s=a.target_kv_protect, max_span=a.target_max_span,
+    )
+    try:
+        cfg.validate()
+    except ValueError as e:
+        msg = str(e)
+        flags: FlagSet | None = getattr(a, "target_flags", None)
+        for field_name, dest in _FIELD_DESTS.items():  # name the flags, not the config fields behind them
+            flag = flags.flag_for(dest) if flags is not None else None
+            msg = re.sub(rf"\b{field_name}\b", flag or f"--{dest}", msg)
+        raise cli_error(msg) from None
+    from target_service.calibration import resolve_pairs
+    from target_service.loading import pick_device
+
+    try:  # a pair this machine cannot run stops here, with one line, before anything loads
+        resolve_pairs(cfg.dtype, cfg.backend, pick_device(cfg.device))
+    except ValueError as e:
+        raise cli_error(str(e)) from None
+    return cfg
+
+
+def add_serve_command(sub: Any) -> None:
+    """``specdec serve target``."""
+    serve_command(sub, SERVICE, "the target model: sessions, verification, batching", add_arguments,
+                          "target_service.server", config_from_args)

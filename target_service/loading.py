@@ -1,0 +1,112 @@
+"""Getting the target model ready to serve: dtype and device selection,
+compute threads, loading and conversion for a backend
+(target_service/backends.py), and measuring its forward-pass cost curve
+t(k) (target_service/calibration.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from specdec.logging_util import log
+from target_service.backends import apply_backend, load_dtype, set_compute_threads
+
+logger = logging.getLogger("specdec.target")
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
+
+
+def pick_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def set_threads(device: torch.device, threads: int) -> None:
+    if device.type == "cpu":
+        if threads > 0:
+            torch.set_num_threads(threads)
+        set_compute_threads(threads)
+
+
+def load_model(
+    hf_dir: Path, dtype: torch.dtype, backend: str, device: torch.device, name: str | None = None
+) -> torch.nn.Module:
+    """Loads the target in ``dtype`` onto ``device`` and converts it for
+    ``backend`` (target_service.backends)."""
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=load_dtype(dtype, backend))
+    model.to(device)
+    model.eval()
+    load_s = time.perf_counter() - t0
+    with torch.inference_mode():
+        model = apply_backend(model, backend, dtype, device)
+    if device.type == "cpu":
+        from target_service.attention import use_packed_gqa
+
+        use_packed_gqa(model)  # verify passes without copying K/V per query head
+    log(
+        logger,
+        logging.INFO,
+        "target model loaded",
+        model=name or str(hf_dir),
+        dtype=str(dtype).removeprefix("torch."),
+        backend=backend,
+        device=str(device),
+        load_s=round(load_s, 2),
+        convert_s=round(time.perf_counter() - t0 - load_s, 2),
+    )
+    return model
+
+
+def output_vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the LM head (the logits' width), whatever the backend made of it."""
+    head = model.get_output_embeddings()
+    out = getattr(head, "out_features", None)
+    if out is None:
+        out = head.weight.shape[0]
+    return int(out)
+
+
+@torch.inference_mode()
+def measure_forward_curve(
+    model: torch.nn.Module, device: torch.device, ks: Sequence[int], kv_tokens: int, budget_s: float = 30.0
+) -> dict[int, float]:
+    """t(k) in ms: one forward pass of k new tokens behind ``kv_tokens`` of
+    KV cache, as a 1-token step or a (k-1)-token verify runs it (the LM head
+    on the last k rows, the cache cropped back after every pass)."""
+    from target_service.calibration import measure_curve
+
+    vocab = output_vocab_size(model)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (1, kv_tokens), generator=gen).to(device)
+    kwarg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{kwarg: cache})
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def forward(k: int) -> None:
+        ids = torch.randint(0, vocab, (1, k), generator=gen).to(device)
+        model(input_ids=ids, use_cache=True, logits_to_keep=k, **{kwarg: cache})
+        sync()
+
+    def reset() -> None:
+        written = cache.get_seq_length()
+        if written > kv_tokens:
+            cache.crop(kv_tokens - written)
+
+    return measure_curve(forward, reset, ks, budget_s=budget_s)
