@@ -8,5 +8,5 @@ bash scripts/setup.sh
 bash scripts/check_protos.sh
 bash scripts/check_docker.sh
 bash scripts/check_k8s.sh
-.venv/bin/lint-imports --no-cache  # one-way layers (pyproject.toml [tool.importlinter])
+.venv/bin/lint-imports --no-cache --no-logo  # one-way layers (pyproject.toml [tool.importlinter])
 .venv/bin/python -m pytest -q -rs "$@"

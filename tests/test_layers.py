@@ -25,7 +25,7 @@ LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(LINT_IMPORTS), "--no-cache", "--config", str(root / "pyproject.toml")],
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache", "--no-logo", str(root / "pyproject.toml")],
                           cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
                           capture_output=True, text=True, timeout=120)
 
