@@ -76,6 +76,10 @@ class RequestStats:
     def round_overhead_p50_ms(self) -> float:
         return float(np.median(self.round_overhead_ms)) if self.round_overhead_ms else 0.0
 
+    @property
+    def round_overhead_p99_ms(self) -> float:
+        return float(np.percentile(self.round_overhead_ms, 99)) if self.round_overhead_ms else 0.0
+
 
 @dataclass(frozen=True)
 class Step:

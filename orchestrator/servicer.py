@@ -417,4 +417,5 @@ def stats_proto(s: RequestStats, generated: int) -> pb.GenerationStats:
         draft_hidden_ms=s.draft_hidden_ms,
         post_verified=s.post_verified,
         round_overhead_p50_ms=s.round_overhead_p50_ms,
+        round_overhead_p99_ms=s.round_overhead_p99_ms,
     )

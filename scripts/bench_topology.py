@@ -82,7 +82,8 @@ TOPOLOGIES = ("pinned", "colocated")
 DEFAULT_PROMPTS = ("py-complete", "py-edit", "prose")
 # GenerationStats fields kept per run (besides the client's own wall clock and token ids)
 STATS = ("rounds", "acceptance_rate", "mean_accepted_length", "draft_ms", "verify_ms", "prefill_ms",
-         "draft_hidden_ms", "post_verified", "round_overhead_p50_ms", "overhead_ms", "round_trip_ms",
+         "draft_hidden_ms", "post_verified", "round_overhead_p50_ms",
+         "round_overhead_p99_ms", "overhead_ms", "round_trip_ms",
          "draft_tokens", "accepted_tokens", "draft_failures", "time_to_first_token_ms", "draft_mode", "policy",
          "drafter")
 

@@ -33,4 +33,4 @@ def test_round_overhead_script_reports_per_round_overhead(tmp_path: Path) -> Non
     res = json.loads((out / "round_overhead.json").read_text())
     for run in ("off", "fixed-unary", "fixed-stream", "fixed-run-ahead"):  # every draft mode
         assert res[run]["rounds"] > 0 and res[run]["overhead_ms_per_round_p50"] >= 0
-        assert res[run]["round_overhead_p50_ms"] > 0
+        assert 0 < res[run]["round_overhead_p50_ms"] <= res[run]["round_overhead_p99_ms"]
