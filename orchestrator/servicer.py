@@ -50,6 +50,8 @@ class _Access:
     Generate call, filled in as it runs."""
 
     started: float
+    client: str = ""  # who called, read while the call is live (a finished call's peer is gone)
+    deadline: float | None = None  # time.perf_counter() at the call's deadline, if it has one
     code: str = "OK"
     finish: int = 0  # a FinishReason, 0 until a stream finished
     emitted: int = 0
@@ -232,34 +234,39 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Streams one generation; whatever ends it, the request is counted by
         its final status code and written to the access log once."""
-        rec = _Access(started=time.perf_counter())
+        # The client's identity is read now: after a cancel, grpc may have freed
+        # the call, and reading its peer or auth context then crashes the process.
+        rec = _Access(started=time.perf_counter(),
+                      client=self.identify(context) if self.identify is not None else (context.peer() or ""))
+        remaining = context.time_remaining()
+        rec.deadline = time.perf_counter() + remaining if remaining is not None else None
         try:
             async for chunk in self._generate(request, context, rec):
                 yield chunk
         except (asyncio.CancelledError, GeneratorExit):
             if rec.code == "OK":
-                remaining = context.time_remaining()
-                rec.code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+                expired = rec.deadline is not None and time.perf_counter() >= rec.deadline
+                rec.code = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
             raise
         except BaseException as e:
             if rec.code == "OK":  # not a status this servicer chose (an abort sets it first)
                 rec.code, rec.error = "INTERNAL", repr(e)[:200]
             raise
         finally:
-            self._account(rec, request, context)
+            self._account(rec, request)
 
     async def _abort(self, context: grpc.aio.ServicerContext, rec: "_Access", code: grpc.StatusCode, message: str) -> None:
         rec.code, rec.error = code.name, message[:200]
         await context.abort(code, message)
 
-    def _account(self, rec: "_Access", request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+    def _account(self, rec: "_Access", request: pb.GenerateRequest) -> None:
         finish = pb.FinishReason.Name(rec.finish) if rec.finish else "NONE"
         self.metrics.requests.labels(finish, rec.code).inc()
         d = rec.decoder
         stats = d.stats if d is not None else None
         wall = time.perf_counter() - rec.started
         fields: dict[str, Any] = {
-            "client": self.identify(context) if self.identify is not None else (context.peer() or ""),
+            "client": rec.client,
             "code": rec.code, "finish_reason": finish, "duration_ms": round(wall * 1e3, 1),
             "mode": MODE_NAMES.get(request.speculation.mode, str(request.speculation.mode)),
         }
