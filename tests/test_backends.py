@@ -229,7 +229,7 @@ def test_bf16w_kernel_is_float32_math_on_bf16_weights(n: int, k: int) -> None:
     g = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     b = torch.randn(n, generator=g)
-    for m in (1, 2, 3, 7, 16):
+    for m in (1, 2, 3, 7, 16, 65):  # 2 x 65 = 130 rows: the blocked (prompt) path
         x = torch.randn(2, m, k, generator=g)
         y = bf16w.linear(x, w, b)
         ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
@@ -254,12 +254,15 @@ def test_bf16w_outputs_do_not_depend_on_the_rows_beside_them() -> None:
             assert torch.equal(bf16w.linear(x[i, j : j + 1], w, None)[0], full[i, j])
     assert torch.equal(bf16w.linear(x[:, 2:6], w, None), full[:, 2:6])
     # every pass width a verify or a batch uses (the kernel groups rows by up
-    # to six, so 7..16 split into groups), and a K with a scalar tail
-    w2 = torch.randn(37, 1541, generator=g).to(torch.bfloat16)
-    b2 = torch.randn(37, generator=g)
-    x2 = torch.randn(16, 1541, generator=g)
-    alone = torch.stack([bf16w.linear(x2[i : i + 1], w2, b2)[0] for i in range(16)])
-    for m in range(1, 17):
+    # to six, so 7..16 split into groups), prompt widths that take the
+    # blocked path (from 128 rows: float32 panels, K in chunks of 512 with the
+    # lanes carried between chunks), and a K with a scalar tail that is
+    # longer than one chunk (1541 = 3 x 512 + 5: the last chunk is tail only)
+    w2 = torch.randn(133, 1541, generator=g).to(torch.bfloat16)
+    b2 = torch.randn(133, generator=g)
+    x2 = torch.randn(140, 1541, generator=g)
+    alone = torch.stack([bf16w.linear(x2[i : i + 1], w2, b2)[0] for i in range(140)])
+    for m in [*range(1, 17), 127, 128, 133, 140]:
         assert torch.equal(bf16w.linear(x2[:m], w2, b2), alone[:m]), m
     try:
         bf16w.set_threads(1)
@@ -348,3 +351,25 @@ def test_cli_refuses_a_pair_this_machine_cannot_run_with_one_line() -> None:
     a = build_parser().parse_args(["serve", "target", "--dtype", "float32", "--backend", "bf16w"])
     with pytest.raises(SystemExit, match="specdec: --target-backend bf16w cannot run float32"):
         target_config(a, 0)
+
+
+@needs_bf16w
+def test_bf16w_bench_script_compares_two_kernels(tmp_path: Path) -> None:
+    """scripts/bf16w_bench.py runs (one repetition, a step and a prompt-sized
+    M) against the committed kernel and checks their outputs are equal."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.stack import REPO
+
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("needs a git checkout (the script reads the other kernel from git)")
+    out = tmp_path / "bench"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "bf16w_bench.py"), "--against", "HEAD", "--ms", "1,130",
+                    "--reps", "1", "--out", str(out)], check=True, capture_output=True, timeout=300, cwd=REPO)
+    res = json.loads((out / "bf16w_bench.json").read_text())
+    assert res["variants"] == ["this tree", "HEAD"] and len(res["rows"]) == 6
+    assert all(r["ms"]["HEAD"] > 0 and r["ms"]["this tree"] > 0 for r in res["rows"])
+    assert (out / "bf16w_bench.md").exists() and (out / "bf16w_bench.png").exists()
