@@ -42,6 +42,9 @@ def add_speculation_arguments(p: argparse._ActionsContainer) -> FlagSet:
                "cores or machines; docs/architecture.md, docs/benchmarks.md)")
     f.add("run-ahead-tokens", type=int, default=8,
           help="run-ahead: at most this many tokens drafted past the round's span (and at most γ + 1)")
+    f.add("target-verify-stream", default="on", choices=["on", "off"],
+          help="Verify over one stream per session instead of a unary call per round (same answers, "
+               "less per-round overhead; a target without the stream method gets unary calls)")
     return f
 
 
@@ -110,6 +113,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> OrchestratorConfig:
         confidence_stop_scale=a.confidence_stop_scale,
         speculation_max_streams=a.speculation_max_streams,
         draft_mode=a.draft_mode, run_ahead_tokens=a.run_ahead_tokens,
+        target_verify_stream=a.target_verify_stream == "on",
         routing=RoutingConfig(discovery_interval_s=a.discovery_interval, backoff_s=a.replica_backoff,
                               target_load_factor=a.target_load_factor),
         tls=server_tls(a),

@@ -52,10 +52,63 @@ class _GrpcClient:
 
 
 class GrpcTargetClient(_GrpcClient):
+    """The target's client. With ``verify_stream``, each session's Verify
+    calls go over one ``VerifyStream`` call (opened at the session's first
+    verify, closed by ``release`` or by the first error, which ends it on the
+    server too); a target without that method (UNIMPLEMENTED) is called with
+    unary Verify from then on."""
+
     service = "target"
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, verify_stream: bool = False) -> None:
         super().__init__(target_pb2_grpc.TargetStub(channel))
+        self.verify_stream = verify_stream
+        self._streams: dict[str, Any] = {}  # session id -> its open VerifyStream call
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    def _close_stream(self, session_id: str) -> None:
+        call = self._streams.pop(session_id, None)
+        if call is not None:
+            call.cancel()
+
+    async def release(self, session_id: str, timeout: float | None) -> None:
+        self._close_stream(session_id)
+        await super().release(session_id, timeout)
+
+    async def _verify_rpc(self, session_id: str, req: target_pb2.VerifyRequest, timeout: float | None) -> Any:
+        if not self.verify_stream:
+            return await self._rpc("Verify", req, timeout)
+        call = self._streams.get(session_id)
+        if call is None:
+            call = self._streams[session_id] = self.stub.VerifyStream()
+        async def exchange() -> Any:
+            await call.write(req)
+            return await call.read()
+
+        try:
+            reply = await asyncio.wait_for(exchange(), timeout)
+        except grpc.RpcError as e:
+            self._close_stream(session_id)
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older target: unary from now on
+                self.verify_stream = False
+                return await self._rpc("Verify", req, timeout)
+            raise from_rpc_error(e, self.service) from None
+        except asyncio.TimeoutError:
+            self._close_stream(session_id)
+            raise DeadlineExceeded(f"{self.service}: no Verify reply on the stream within {timeout:.3g} s") from None
+        except Exception as e:  # e.g. a write on a call the server has ended
+            self._close_stream(session_id)
+            raise Unavailable(f"{self.service}: the Verify stream failed: {type(e).__name__}: {e}") from None
+        except BaseException:  # cancelled mid-round: the stream's state is unknown
+            self._close_stream(session_id)
+            raise
+        if reply is grpc.aio.EOF:
+            self._close_stream(session_id)
+            raise Unavailable(f"{self.service}: the Verify stream ended without a reply")
+        return reply
 
     async def prefill(
         self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int, timeout: float | None
@@ -95,7 +148,7 @@ class GrpcTargetClient(_GrpcClient):
             if post[1] is not None:
                 req.post_prob.token_ids.extend(post[1][0].tolist())
                 req.post_prob.probs.extend(post[1][1].tolist())
-        r = await self._rpc("Verify", req, timeout)
+        r = await self._verify_rpc(session_id, req, timeout)
         return VerifyReply(
             r.num_accepted,
             r.next_token_id,

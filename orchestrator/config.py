@@ -57,6 +57,10 @@ class OrchestratorConfig:
     draft_mode: str = "unary"
     run_ahead_tokens: int = 8  # run-ahead: tokens the draft may draft past the round's span
     target_timeout_s: float = 120.0  # one Verify/Prefill call (bounded by the client deadline)
+    # Verify over one VerifyStream call per session instead of a unary call per
+    # round (same answers; saves a call's set-up each round, docs/benchmarks.md);
+    # a target without VerifyStream gets unary calls.
+    target_verify_stream: bool = True
     release_timeout_s: float = 2.0
     max_message_bytes: int = 8 * 1024 * 1024
     metrics_port: int = 0  # Prometheus /metrics HTTP port; 0 = off (`specdec up` uses 9464)

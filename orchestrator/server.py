@@ -157,7 +157,9 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
         return connect
 
     target: Router[GrpcTargetClient] = Router(
-        ReplicaPool("target", list(config.target_addresses), endpoint(GrpcTargetClient), config.routing, events),
+        ReplicaPool("target", list(config.target_addresses),
+                    endpoint(lambda ch: GrpcTargetClient(ch, verify_stream=config.target_verify_stream)),
+                    config.routing, events),
         RoutedTarget,
     )
     routers: list[Router[Any]] = [target]

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, NoReturn, Sequence, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -134,17 +134,25 @@ def translate_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Await
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
         try:
             return await method(self, request, context)
-        except SpecdecError as e:
-            await context.abort(e.code, e.message)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as e:  # pragma: no cover - defensive
-            log(logger, logging.ERROR, "unhandled error", method=method.__name__, error=repr(e))
-            logger.exception("unhandled error in %s", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
-        raise AssertionError("unreachable")
+        except Exception as e:
+            await abort_with(context, e, method.__name__)
 
     return wrapper
+
+
+async def abort_with(context: grpc.aio.ServicerContext, e: Exception, method: str) -> NoReturn:
+    """Ends the call for ``e``: a ``SpecdecError`` with its gRPC status, an
+    abort as it is, anything unexpected as INTERNAL (logged; never crashes
+    the server). For servicer methods that handle their own errors, such as
+    a stream that answers many requests."""
+    if isinstance(e, SpecdecError):
+        await context.abort(e.code, e.message)
+    if isinstance(e, grpc.aio.AbortError):
+        raise e
+    log(logger, logging.ERROR, "unhandled error", method=method, error=repr(e))
+    logger.exception("unhandled error in %s", method)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
+    raise AssertionError("unreachable")
 
 
 @dataclass

@@ -8,13 +8,13 @@ import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 import grpc
 import numpy as np
 
 from specdec.errors import InvalidArgument, Unavailable
-from specdec.grpc_util import ServerHandle, WorkTiming, drain, start_server, translate_errors
+from specdec.grpc_util import ServerHandle, WorkTiming, abort_with, drain, start_server, translate_errors
 from specdec.logging_util import log
 from specdec.metrics import BatchMetrics, ModelServiceMetrics, export_calibration, serve_metrics
 from specdec.sampling import SamplingConfig, SparseQ
@@ -73,6 +73,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         self.fingerprint = ""
         self._evictions_seen = 0
         self.draining = False  # set on SIGTERM: no new sessions, existing ones are served
+        self.verify_streams = 0  # VerifyStream calls opened (each serves one session's rounds)
 
     def attach(self, engine: TargetEngine, tokenizer_fingerprint: str, calibration: CalibrationResult | None = None) -> None:
         self._engine = engine
@@ -151,6 +152,23 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
     async def Verify(
         self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.VerifyResponse:
+        return await self._verify(request)
+
+    async def VerifyStream(
+        self, request_iterator: AsyncIterator[target_pb2.VerifyRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[target_pb2.VerifyResponse]:
+        """Verify, request after request, on one stream (one per session on
+        the caller's side). The first error ends the stream with Verify's
+        status; the session is not released (Release or the TTL does that)."""
+        self.verify_streams += 1
+        async for request in request_iterator:
+            try:
+                reply = await self._verify(request)
+            except Exception as e:
+                await abort_with(context, e, "VerifyStream")
+            yield reply
+
+    async def _verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         if not request.session_id:
             raise InvalidArgument("session_id is required")
         draft_ids = list(request.draft_token_ids)

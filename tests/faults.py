@@ -38,7 +38,8 @@ class FaultyProxy:
     upstream: grpc.aio.Channel
     server: grpc.aio.Server
     port: int
-    # method -> hook(request, context) returning the request to forward (or raising grpc aborts)
+    # method -> hook(request, context) returning the request to forward (or raising grpc aborts);
+    # for a streaming method, applied to each request on the stream
     on_request: dict[str, Hook] = field(default_factory=dict)
     # method -> hook(request, response) returning the response to send back
     on_response: dict[str, Hook] = field(default_factory=dict)
@@ -51,7 +52,8 @@ class FaultyProxy:
         return f"127.0.0.1:{self.port}"
 
     @classmethod
-    async def start(cls, service: str, upstream_address: str) -> "FaultyProxy":
+    async def start(cls, service: str, upstream_address: str, omit: tuple[str, ...] = ()) -> "FaultyProxy":
+        """``omit``: methods the proxy does not serve (UNIMPLEMENTED, as an older server)."""
         desc = _DESCRIPTORS[service]
         upstream = grpc.aio.insecure_channel(upstream_address)
         server = grpc.aio.server()
@@ -59,6 +61,8 @@ class FaultyProxy:
         proxy = cls(service, upstream, server, port)
         handlers = {}
         for m in desc.methods:
+            if m.name in omit:
+                continue
             req_cls = message_factory.GetMessageClass(m.input_type)
             resp_cls = message_factory.GetMessageClass(m.output_type)
             make = grpc.stream_stream_rpc_method_handler if m.client_streaming else grpc.unary_unary_rpc_method_handler
@@ -103,7 +107,16 @@ class FaultyProxy:
 
         async def forward(requests: Any, context: grpc.aio.ServicerContext) -> Any:
             self.calls[name] = self.calls.get(name, 0) + 1
-            call = call_upstream(requests)
+            if name in self.on_request:  # each streamed request through the hook
+                hook = self.on_request[name]
+
+                async def rewritten() -> Any:
+                    async for request in requests:
+                        yield await _maybe(hook(request, context))
+
+                call = call_upstream(rewritten())
+            else:
+                call = call_upstream(requests)
             try:
                 async for event in call:
                     if name in self.on_event:

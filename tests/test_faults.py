@@ -128,7 +128,7 @@ def test_a_target_session_out_of_step_is_rebuilt(clean) -> None:  # type: ignore
             req.cache_len += 1  # FAILED_PRECONDITION from the real target
         return req
 
-    proxies["target"].on_request["Verify"] = skew
+    proxies["target"].on_request["Verify"] = proxies["target"].on_request["VerifyStream"] = skew
     spec = stack.generate(prompt=prompt, mode="fixed", gamma=3, max_new_tokens=24)
     assert spec["token_ids"] == off["token_ids"]
     assert spec["stats"].target_rebuilds == 1
