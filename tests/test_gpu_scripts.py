@@ -32,5 +32,7 @@ def test_round_overhead_script_reports_per_round_overhead(tmp_path: Path) -> Non
                     "--max-new-tokens", "12", "--out", str(out)], check=True, capture_output=True, timeout=300, cwd=REPO)
     res = json.loads((out / "round_overhead.json").read_text())
     for run in ("off", "fixed-unary", "fixed-stream", "fixed-run-ahead"):  # every draft mode
-        assert res[run]["rounds"] > 0 and res[run]["overhead_ms_per_round_p50"] >= 0
-        assert 0 < res[run]["round_overhead_p50_ms"] <= res[run]["round_overhead_p99_ms"]
+        for key, verify in ((run, "stream"), (run + "@unary-verify", "unary")):  # both verify transports
+            assert res[key]["verify"] == verify
+            assert res[key]["rounds"] > 0 and res[key]["overhead_ms_per_round_p50"] >= 0
+            assert 0 < res[key]["round_overhead_p50_ms"] <= res[key]["round_overhead_p99_ms"]
