@@ -37,6 +37,7 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
+from specdec.errors import InvalidArgument
 from specdec.logging_util import log
 from specdec.tls import FileWatcher
 
@@ -173,6 +174,15 @@ def _safe_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[
     return parse
 
 
+async def _parsed(requests: Any) -> Any:
+    """A request stream whose unparsable messages (from the guarded
+    deserializer) raise INVALID_ARGUMENT in the handler, where it reads them."""
+    async for request in requests:
+        if isinstance(request, _BadRequest):
+            raise InvalidArgument(f"request could not be parsed: {request.error}")
+        yield request
+
+
 class ServerGuard(grpc.aio.ServerInterceptor):
     """The interceptor described in the module docstring. ``tokens`` None =
     no authentication; ``max_calls_per_client`` 0 = no per-client limit."""
@@ -292,7 +302,7 @@ class ServerGuard(grpc.aio.ServerInterceptor):
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 identity = await guard._admit(request if unary_request else None, context, method)
                 try:
-                    async for item in behavior(request, context):
+                    async for item in behavior(request if unary_request else _parsed(request), context):
                         yield item
                 finally:
                     guard._leave(identity)
@@ -302,7 +312,7 @@ class ServerGuard(grpc.aio.ServerInterceptor):
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             identity = await guard._admit(request if unary_request else None, context, method)
             try:
-                result = behavior(request, context)
+                result = behavior(request if unary_request else _parsed(request), context)
                 return await result if inspect.isawaitable(result) else result
             finally:
                 guard._leave(identity)
@@ -324,6 +334,5 @@ class ServerGuard(grpc.aio.ServerInterceptor):
         behavior = getattr(handler, kind)
         unary_request = not handler.request_streaming
         changes: dict[str, Any] = {kind: self._wrap(behavior, method, unary_request)}
-        if unary_request:
-            changes["request_deserializer"] = _safe_deserializer(handler.request_deserializer)
+        changes["request_deserializer"] = _safe_deserializer(handler.request_deserializer)
         return handler._replace(**changes)

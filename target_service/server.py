@@ -161,12 +161,11 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         the caller's side). The first error ends the stream with Verify's
         status; the session is not released (Release or the TTL does that)."""
         self.verify_streams += 1
-        async for request in request_iterator:
-            try:
-                reply = await self._verify(request)
-            except Exception as e:
-                await abort_with(context, e, "VerifyStream")
-            yield reply
+        try:
+            async for request in request_iterator:  # an unparsable message raises InvalidArgument here
+                yield await self._verify(request)
+        except Exception as e:
+            await abort_with(context, e, "VerifyStream")
 
     async def _verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         if not request.session_id:

@@ -94,6 +94,15 @@ class Ctx:
             return list(ch.unary_stream(path)(payload, timeout=timeout))
         return ch.unary_unary(path)(payload, timeout=timeout)
 
+    def raw_stream(self, service: str, method: str, payloads: list[bytes], timeout: float = 30) -> Any:
+        """A bidirectional stream of raw messages; the replies (raises for a non-OK status)."""
+        port = {"Target": self.stack.target.port, "Draft": self.stack.draft.port}[service]
+        ch = self.stack.channel(f"127.0.0.1:{port}")
+        return list(ch.stream_stream(f"/specdec.v1.{service}/{method}")(iter(payloads), timeout=timeout))
+
+    def verify_stream(self, requests: list[target_pb2.VerifyRequest]) -> Any:
+        return self.raw_stream("Target", "VerifyStream", [r.SerializeToString() for r in requests])
+
     def gen(self, **fields: Any) -> Any:
         return self.stack.generate(**fields)
 
@@ -248,6 +257,15 @@ ORCH: dict[str, tuple[S, Run]] = {
 }
 
 q = common_pb2.SparseDistribution
+def _stream_good_then_garbage(c: Ctx) -> Any:
+    """A served round, then bytes that do not parse: the stream ends with
+    INVALID_ARGUMENT after the first reply; the session stays (released by the runner)."""
+    pre = c.prefill()
+    good = target_pb2.VerifyRequest(session_id=pre.session_id, cache_len=pre.cache_len,
+                                    new_token_ids=[pre.next_token_id]).SerializeToString()
+    return c.raw_stream("Target", "VerifyStream", [good, GARBAGE])
+
+
 TARGET: dict[str, tuple[S, Run]] = {
     "prefill empty": (S.INVALID_ARGUMENT, lambda c: c.t.Prefill(target_pb2.PrefillRequest())),
     "prefill id >= vocab": (S.INVALID_ARGUMENT, lambda c: c.t.Prefill(target_pb2.PrefillRequest(token_ids=[1, VOCAB]))),
@@ -290,6 +308,14 @@ TARGET: dict[str, tuple[S, Run]] = {
     "verify q zero at drafted token": (S.INVALID_ARGUMENT, lambda c: c.sampled_verify([2], [([2, 3], [0.0, 1.0])])),
     "verify deadline already expired": (S.DEADLINE_EXCEEDED, lambda c: c.verify(c.prefill().session_id, 3, [1],
                                                                                  timeout=-1)),
+    "verify stream garbage bytes": (S.INVALID_ARGUMENT, lambda c: c.raw_stream("Target", "VerifyStream", [GARBAGE])),
+    "verify stream non-utf8 session id": (S.INVALID_ARGUMENT, lambda c: c.raw_stream(
+        "Target", "VerifyStream", [ld(1, BAD_UTF8)])),
+    "verify stream garbage after a good round": (S.INVALID_ARGUMENT, _stream_good_then_garbage),
+    "verify stream unknown session": (S.NOT_FOUND, lambda c: c.verify_stream(
+        [target_pb2.VerifyRequest(session_id="feed", cache_len=3, new_token_ids=[1])])),
+    "verify stream foreign cache_len": (S.FAILED_PRECONDITION, lambda c: c.verify_stream(
+        [target_pb2.VerifyRequest(session_id=c.prefill().session_id, cache_len=9, new_token_ids=[1])])),
     "release empty session id": (S.INVALID_ARGUMENT, lambda c: c.t.Release(common_pb2.ReleaseRequest())),
     "release unknown session (idempotent)": (S.OK, lambda c: _unknown_release(c.t)),
     "release twice (idempotent)": (S.OK, _double_release_target),
@@ -323,6 +349,7 @@ DRAFT: dict[str, tuple[S, Run]] = {
     "propose garbage bytes": (S.INVALID_ARGUMENT, lambda c: c.raw("Draft", "Propose", GARBAGE)),
     "propose oversized": (S.RESOURCE_EXHAUSTED, lambda c: c.raw("Draft", "Propose", ld(3, b"\x01" * OVERSIZE))),
     "propose deadline already expired": (S.DEADLINE_EXCEEDED, lambda c: c.propose(new_token_ids=[1], timeout=-1)),
+    "session stream garbage bytes": (S.INVALID_ARGUMENT, lambda c: c.raw_stream("Draft", "Session", [GARBAGE])),
     "release empty session id": (S.INVALID_ARGUMENT, lambda c: c.d.Release(common_pb2.ReleaseRequest())),
     "release unknown session (idempotent)": (S.OK, lambda c: _unknown_release(c.d)),
     "release twice (idempotent)": (S.OK, _double_release_draft),
