@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -21,20 +22,21 @@ from tests.stack import Stack, start_stack
 PROMPTS = ["hello world", "the quick brown fox", "a, b, c."]
 
 
-@pytest.fixture(scope="module")
-def streamed(tiny_models, onnx_cache_dir: Path) -> Stack:  # type: ignore[no-untyped-def]
+def _stack(tiny_models, onnx_cache_dir: Path, verify_stream: bool) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
     s = start_stack(tiny_models.target, tiny_models.draft, onnx_cache_dir,
-                    orchestrator_overrides={"target_verify_stream": True})
+                    orchestrator_overrides={"target_verify_stream": verify_stream})
     yield s
     s.close()
 
 
 @pytest.fixture(scope="module")
-def unary(tiny_models, onnx_cache_dir: Path) -> Stack:  # type: ignore[no-untyped-def]
-    s = start_stack(tiny_models.target, tiny_models.draft, onnx_cache_dir,
-                    orchestrator_overrides={"target_verify_stream": False})
-    yield s
-    s.close()
+def streamed(tiny_models, onnx_cache_dir: Path) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
+    yield from _stack(tiny_models, onnx_cache_dir, True)
+
+
+@pytest.fixture(scope="module")
+def unary(tiny_models, onnx_cache_dir: Path) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
+    yield from _stack(tiny_models, onnx_cache_dir, False)
 
 
 @pytest.mark.parametrize("draft_mode", ["unary", "run-ahead"])
