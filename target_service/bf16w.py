@@ -15,9 +15,8 @@ panel that stays in cache while every row passes over it.
 Numerics: each output y[m, n] is the same sequence of float32 operations
 whatever the number of rows M, the batch, the path (blocked or not) or the
 thread that computes it (8-lane FMA over K, a fixed horizontal sum, a scalar
-tail, then the bias), so
-a 1-token step, a k-token verify and a batched verify agree bit for bit on
-the linear layers. The model's numerics are "bfloat16 weights, float32
+tail, then the bias), so a 1-token step, a k-token verify and a batched
+verify agree bit for bit on the linear layers. The model's numerics are "bfloat16 weights, float32
 activations": the checkpoint is loaded in bf16 (every weight rounded once,
 as the bf16 eager path rounds them) and everything but the linear weights is
 widened to float32 (``backends.apply_backend``).
@@ -169,6 +168,17 @@ typedef void (*blockcfn)(const float* const*, int64_t, int64_t, const float* con
 #define PANEL_ROWS 64
 #define BLOCKED_MIN_ROWS 128
 
+/* The next group of activation rows, from row m, when `parts` groups of
+   balanced sizes are left: points xs[] at its rows (unused slots repeat the
+   first) and returns its size. */
+static inline int64_t next_group(const float* x, int64_t M, int64_t K, int64_t m, int64_t parts,
+                                 const float** xs) {
+    const int64_t left = M - m;
+    const int64_t mb = left / parts + (left % parts ? 1 : 0);
+    for (int i = 0; i < 8; i++) xs[i] = x + (m + (i < mb ? i : 0)) * K;
+    return mb;
+}
+
 static inline void store_out(float* y, int64_t N, int64_t m, int64_t n, int64_t nb, int64_t mb,
                              const float* bias, float out[][8]) {
     for (int64_t r = 0; r < nb; r++) {
@@ -204,9 +214,7 @@ static int linear_blocked(const float* x, int64_t M, int64_t K, const uint16_t* 
             }
             int64_t m = 0;
             for (int64_t g = 0; g < groups; g++) {
-                const int64_t left = M - m, parts = groups - g;
-                const int64_t mb = left / parts + (left % parts ? 1 : 0);
-                for (int i = 0; i < 8; i++) xs[i] = x + (m + (i < mb ? i : 0)) * K;
+                const int64_t mb = next_group(x, M, K, m, groups - g, xs);
                 const blockcfn f = mb == 3 ? blockc_2_3 : mb == 4 ? blockc_2_4 : mb == 5 ? blockc_2_5 : blockc_2_6;
                 for (int64_t n = p, j = 0; n < pe; n += 2, j++) {
                     const int64_t nb = (pe - n) < 2 ? (pe - n) : 2;
@@ -243,9 +251,7 @@ int specdec_bf16w_linear(const float* x, int64_t M, int64_t K, const uint16_t* w
         for (int r = 0; r < 4; r++) rows[r] = w + (n + (r < nb ? r : 0)) * K;
         int64_t m = 0;
         for (int64_t g = 0; g < groups; g++) {
-            const int64_t left = M - m, parts = groups - g;
-            const int64_t mb = left / parts + (left % parts ? 1 : 0);
-            for (int i = 0; i < 8; i++) xs[i] = x + (m + (i < mb ? i : 0)) * K;
+            const int64_t mb = next_group(x, M, K, m, groups - g, xs);
             if (mb == 1) {
                 block_4_1(xs, K, rows, out);
             } else if (mb == 2) {
