@@ -84,31 +84,28 @@ class GrpcTargetClient(_GrpcClient):
         call = self._streams.get(session_id)
         if call is None:
             call = self._streams[session_id] = self.stub.VerifyStream()
+
         async def exchange() -> Any:
             await call.write(req)
-            return await call.read()
+            reply = await call.read()
+            if reply is grpc.aio.EOF:
+                raise Unavailable(f"{self.service}: the Verify stream ended without a reply")
+            return reply
 
         try:
-            reply = await asyncio.wait_for(exchange(), timeout)
-        except grpc.RpcError as e:
-            self._close_stream(session_id)
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older target: unary from now on
-                self.verify_stream = False
-                return await self._rpc("Verify", req, timeout)
-            raise from_rpc_error(e, self.service) from None
-        except asyncio.TimeoutError:
-            self._close_stream(session_id)
-            raise DeadlineExceeded(f"{self.service}: no Verify reply on the stream within {timeout:.3g} s") from None
-        except Exception as e:  # e.g. a write on a call the server has ended
-            self._close_stream(session_id)
-            raise Unavailable(f"{self.service}: the Verify stream failed: {type(e).__name__}: {e}") from None
-        except BaseException:  # cancelled mid-round: the stream's state is unknown
-            self._close_stream(session_id)
+            return await asyncio.wait_for(exchange(), timeout)
+        except BaseException as e:
+            self._close_stream(session_id)  # after any failure, cancellation included, its state is unknown
+            if isinstance(e, grpc.RpcError):
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older target: unary from now on
+                    self.verify_stream = False
+                    return await self._rpc("Verify", req, timeout)
+                raise from_rpc_error(e, self.service) from None
+            if isinstance(e, asyncio.TimeoutError):
+                raise DeadlineExceeded(f"{self.service}: no Verify reply on the stream within {timeout:.3g} s") from None
+            if isinstance(e, Exception) and not isinstance(e, SpecdecError):  # e.g. a write on an ended call
+                raise Unavailable(f"{self.service}: the Verify stream failed: {type(e).__name__}: {e}") from None
             raise
-        if reply is grpc.aio.EOF:
-            self._close_stream(session_id)
-            raise Unavailable(f"{self.service}: the Verify stream ended without a reply")
-        return reply
 
     async def prefill(
         self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int, timeout: float | None
