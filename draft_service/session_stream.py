@@ -6,7 +6,9 @@ Three parts run per stream, all on the event loop except the drafting itself:
   the drafter;
 - the drafter asks the chain for its next step, runs it on the model worker
   (inline for model-free drafters) and queues the events the chain returns;
-- the response generator sends the queued events in order.
+- the response generator sends the queued events in order: one message
+  per event, or, for a caller that set ``batch_events``, every event ready
+  when it writes in one ``batch`` message.
 
 The stream's session lives in the ``SessionStore`` (it counts against the
 session limit and keeps a replica that drains alive until it ends) but is
@@ -39,17 +41,31 @@ logger = logging.getLogger("specdec.draft.stream")
 _END = object()  # the caller half-closed: the stream ends OK
 
 
+def _token_proto(ev: StreamedToken) -> draft_pb2.DraftedToken:
+    ids, probs = ev.q
+    return draft_pb2.DraftedToken(
+        position=ev.position, version=ev.version, token_id=ev.token_id,
+        prob=common_pb2.SparseDistribution(token_ids=ids.tolist(), probs=probs.tolist()),
+        confidence=ev.confidence, compute_ms=ev.compute_ms,
+    )
+
+
+def _pause_proto(ev: ChainPaused) -> draft_pb2.DraftPaused:
+    return draft_pb2.DraftPaused(position=ev.position, version=ev.version, reason=ev.reason, commit=ev.commit)
+
+
 def event_proto(ev: StreamedToken | ChainPaused) -> draft_pb2.DraftSessionEvent:
     if isinstance(ev, StreamedToken):
-        ids, probs = ev.q
-        return draft_pb2.DraftSessionEvent(token=draft_pb2.DraftedToken(
-            position=ev.position, version=ev.version, token_id=ev.token_id,
-            prob=common_pb2.SparseDistribution(token_ids=ids.tolist(), probs=probs.tolist()),
-            confidence=ev.confidence, compute_ms=ev.compute_ms,
-        ))
-    return draft_pb2.DraftSessionEvent(
-        paused=draft_pb2.DraftPaused(position=ev.position, version=ev.version, reason=ev.reason, commit=ev.commit)
-    )
+        return draft_pb2.DraftSessionEvent(token=_token_proto(ev))
+    return draft_pb2.DraftSessionEvent(paused=_pause_proto(ev))
+
+
+def batch_proto(events: list[StreamedToken | ChainPaused]) -> draft_pb2.DraftSessionEvent:
+    """One ``batch`` event: tokens, then at most one pause, which ends it."""
+    batch = draft_pb2.DraftEventBatch(tokens=[_token_proto(e) for e in events if isinstance(e, StreamedToken)])
+    if isinstance(events[-1], ChainPaused):
+        batch.paused.CopyFrom(_pause_proto(events[-1]))
+    return draft_pb2.DraftSessionEvent(batch=batch)
 
 
 class SessionStream:
@@ -106,13 +122,26 @@ class SessionStream:
             ]
             yield draft_pb2.DraftSessionEvent(opened=draft_pb2.DraftOpened(session_id=session.id,
                                                                            drafter=drafter.name))
+            carry: Any = None  # an item taken while batching that ends the batch
             while True:
-                item = await out.get()
+                item, carry = (carry if carry is not None else await out.get()), None
                 if item is _END:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                yield event_proto(item)
+                if not o.batch_events:
+                    yield event_proto(item)
+                    continue
+                # everything ready now goes in one message (a pause ends it);
+                # nothing waits to fill a batch
+                run = [item]
+                while not isinstance(run[-1], ChainPaused) and not out.empty():
+                    nxt = out.get_nowait()
+                    if not isinstance(nxt, (StreamedToken, ChainPaused)):
+                        carry = nxt
+                        break
+                    run.append(nxt)
+                yield batch_proto(run)
         except SpecdecError as e:
             await context.abort(e.code, e.message)
         except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):

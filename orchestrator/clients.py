@@ -165,6 +165,14 @@ def _q(d: common_pb2.SparseDistribution) -> SparseQ:
     return np.asarray(d.token_ids, dtype=np.int64), np.asarray(d.probs, dtype=np.float32)
 
 
+def _stream_token(t: draft_pb2.DraftedToken, received: float) -> StreamToken:
+    return StreamToken(t.position, t.version, t.token_id, _q(t.prob), t.confidence, t.compute_ms, received)
+
+
+def _stream_pause(e: draft_pb2.DraftPaused) -> StreamPause:
+    return StreamPause(e.position, e.version, e.reason, e.commit)
+
+
 class GrpcDraftStream:
     """One ``Draft/Session`` call: commits are written in order, events are
     read by a background task into a buffer (so a slow consumer never blocks
@@ -200,12 +208,15 @@ class GrpcDraftStream:
                 now = time.perf_counter()
                 kind = msg.WhichOneof("kind")
                 if kind == "token":
-                    t = msg.token
-                    self._put(StreamToken(t.position, t.version, t.token_id, _q(t.prob), t.confidence,
-                                          t.compute_ms, now))
+                    self._put(_stream_token(msg.token, now))
                 elif kind == "paused":
-                    e = msg.paused
-                    self._put(StreamPause(e.position, e.version, e.reason, e.commit))
+                    self._put(_stream_pause(msg.paused))
+                elif kind == "batch":
+                    for t in msg.batch.tokens:
+                        self._buf.append(_stream_token(t, now))
+                    if msg.batch.HasField("paused"):
+                        self._buf.append(_stream_pause(msg.batch.paused))
+                    self._signal.set()
         except grpc.RpcError as e:
             self._put(from_rpc_error(e, "draft"))
         except asyncio.CancelledError:
@@ -257,8 +268,12 @@ class GrpcDraftStream:
 class GrpcDraftClient(_GrpcClient):
     service = "draft"
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, batch_events: bool = True) -> None:
+        """``batch_events``: ask draft streams for one message per batch of
+        ready events (``DraftOpen.batch_events``); False asks for one per
+        event, as a caller that predates batches does."""
         super().__init__(draft_pb2_grpc.DraftStub(channel))
+        self.batch_events = batch_events
 
     async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None, rng_offset: int = 0) -> str:
         req = draft_pb2.CreateDraftSessionRequest(sampling=sampling_proto(cfg), drafter=drafter, rng_offset=rng_offset)
@@ -300,7 +315,7 @@ class GrpcDraftClient(_GrpcClient):
         stream = GrpcDraftStream(self.stub.Session())
         req = draft_pb2.DraftSessionRequest(open=draft_pb2.DraftOpen(
             sampling=sampling_proto(cfg), drafter=drafter, rng_offset=rng_offset, token_ids=token_ids,
-            draft_until=draft_until, min_confidence=min_confidence))
+            draft_until=draft_until, min_confidence=min_confidence, batch_events=self.batch_events))
         try:
             await stream._open(req, timeout)
         except grpc.RpcError as e:

@@ -61,6 +61,10 @@ class OrchestratorConfig:
     # round (same answers; saves a call's set-up each round, docs/benchmarks.md);
     # a target without VerifyStream gets unary calls.
     target_verify_stream: bool = True
+    # Ask draft streams for every ready event in one message (DraftOpen.batch_events)
+    # instead of one message per drafted token; a draft that predates it sends
+    # one per token either way.
+    draft_batch_events: bool = True
     release_timeout_s: float = 2.0
     max_message_bytes: int = 8 * 1024 * 1024
     metrics_port: int = 0  # Prometheus /metrics HTTP port; 0 = off (`specdec up` uses 9464)

@@ -166,7 +166,9 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
     draft: Router[GrpcDraftClient] | None = None
     if config.draft_addresses:
         draft = Router(
-            ReplicaPool("draft", list(config.draft_addresses), endpoint(GrpcDraftClient), config.routing, events),
+            ReplicaPool("draft", list(config.draft_addresses),
+                        endpoint(lambda ch: GrpcDraftClient(ch, batch_events=config.draft_batch_events)),
+                        config.routing, events),
             RoutedDraft,
         )
         routers.append(draft)

@@ -2,9 +2,10 @@
 loopback: wall time of a round minus the draft's and the target's reported
 compute. A tiny random-weight target (on --device) and the model-free
 prompt-lookup drafter keep compute small, so what is left is the overhead a
-round pays on top of any model. Each draft mode runs with the target reached
-through one VerifyStream per session (the default) and through a unary Verify
-call per round. Part of scripts/gpu_check.sh; runs on CPU.
+round pays on top of any model. Each draft mode runs under each variant:
+`stream`, the defaults (one VerifyStream per session, draft events batched);
+`unary`, a unary Verify call per round; `single-events`, draft streams sending
+one message per drafted token. Part of scripts/gpu_check.sh; runs on CPU.
 
     .venv/bin/python scripts/round_overhead.py --device cpu --out bench-out/overhead
     # the three services as separate processes (`specdec serve`), as deployed
@@ -32,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # (label, speculation mode, γ, draft_mode)
 RUNS = [("off", "off", 0, ""), ("fixed-unary", "fixed", 4, "unary"), ("fixed-stream", "fixed", 4, "stream"),
         ("fixed-run-ahead", "fixed", 4, "run-ahead")]
-# verify transport -> the suffix of its result keys (the default transport has none)
-TRANSPORTS = {"stream": "", "unary": "@unary-verify"}
+# variant -> (the suffix of its result keys (the defaults have none), VerifyStream on, draft events batched)
+VARIANTS = {"stream": ("", True, True), "unary": ("@unary-verify", False, True),
+            "single-events": ("@single-events", True, False)}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -42,14 +44,15 @@ def pct(xs: list[float], q: float) -> float:
 
 
 @contextlib.contextmanager
-def in_process(target: Path, root: Path, device: str, verify_stream: bool) -> Iterator[Any]:
+def in_process(target: Path, root: Path, device: str, verify_stream: bool, batch_events: bool) -> Iterator[Any]:
     """The three services on one asyncio loop in this process (tests/stack.py)."""
     from draft_service.config import DrafterSpec
     from tests.stack import start_stack
 
     stack = start_stack(target, None, root / "cache", drafters=[DrafterSpec(name="lookup", kind="prompt-lookup")],
                         target_overrides={"device": device, "backend": "eager"},  # float32 (the stack's dtype)
-                        orchestrator_overrides={"target_verify_stream": verify_stream})
+                        orchestrator_overrides={"target_verify_stream": verify_stream,
+                                                "draft_batch_events": batch_events})
     try:
         yield lambda **kw: stack.generate(**kw)["stats"]  # the draft hosts one drafter: the default
     finally:
@@ -57,7 +60,7 @@ def in_process(target: Path, root: Path, device: str, verify_stream: bool) -> It
 
 
 @contextlib.contextmanager
-def processes(target: Path, root: Path, device: str, verify_stream: bool) -> Iterator[Any]:
+def processes(target: Path, root: Path, device: str, verify_stream: bool, batch_events: bool) -> Iterator[Any]:
     """``specdec serve target|draft|orchestrator`` as three processes, one thread each."""
     import grpc
 
@@ -72,7 +75,8 @@ def processes(target: Path, root: Path, device: str, verify_stream: bool) -> Ite
         "draft": ["--model", str(target), "--drafters", "prompt-lookup", "--target-tokenizer", str(target)],
         "orchestrator": ["--model", str(target), "--target-address", f"127.0.0.1:{ports['target']}",
                          "--draft-address", f"127.0.0.1:{ports['draft']}",
-                         "--target-verify-stream", "on" if verify_stream else "off"],
+                         "--target-verify-stream", "on" if verify_stream else "off",
+                         "--draft-batch-events", "on" if batch_events else "off"],
     }
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -105,7 +109,9 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--processes", action="store_true", help="the services as separate processes (as deployed)")
-    p.add_argument("--transports", default="stream,unary", help="verify transports to measure: stream, unary")
+    p.add_argument("--variants", "--transports", dest="variants", default="stream,unary",
+                   help="variants to measure, in order: stream (the defaults), unary (unary Verify), "
+                        "single-events (one draft message per drafted token)")
     p.add_argument("--out", type=Path, default=Path("overhead-out"))
     a = p.parse_args()
 
@@ -113,46 +119,58 @@ def main() -> int:
 
     root = Path(tempfile.mkdtemp())
     target = build_tiny_model(root / "target", chars="abcdefghijklmnopqrstuvwxyz .,:!?\n", seed=1)
+    from specdec_app.bench import machine_meta
+
     res: dict[str, Any] = {"device": a.device, "processes": a.processes, "command": " ".join(sys.argv),
-                           "date": time.strftime("%Y-%m-%d %H:%M")}
+                           "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_meta()}
     prompt = "the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. " * 3
+    variants = [t for t in a.variants.split(",") if t]
     keys: list[str] = []
-    for transport in [t for t in a.transports.split(",") if t]:
-        suffix = TRANSPORTS[transport]
-        with (processes if a.processes else in_process)(target, root, a.device, transport == "stream") as generate:
-            for name, mode, gamma, draft_mode in RUNS:
-                per_round, p50s, p99s, rounds = [], [], [], 0
-                kw = dict(prompt=prompt, mode=mode, gamma=gamma, draft_mode=draft_mode)
-                generate(max_new_tokens=8, **kw)  # warm-up
-                for _ in range(a.requests):
-                    s = generate(max_new_tokens=a.max_new_tokens, **kw)
+    with contextlib.ExitStack() as up:
+        # every variant's stack is up at once and the requests alternate between
+        # them, so a change in the machine's speed falls on all of them alike
+        gens = {v: up.enter_context((processes if a.processes else in_process)(target, root, a.device, *VARIANTS[v][1:]))
+                for v in variants}
+        for name, mode, gamma, draft_mode in RUNS:
+            kw = dict(prompt=prompt, mode=mode, gamma=gamma, draft_mode=draft_mode)
+            acc: dict[str, dict[str, list[float]]] = {v: {"per_round": [], "p50": [], "p99": [], "rounds": []}
+                                                      for v in variants}
+            for v in variants:
+                gens[v](max_new_tokens=8, **kw)  # warm-up
+            for i in range(a.requests):
+                for v in (variants if i % 2 == 0 else variants[::-1]):
+                    s = gens[v](max_new_tokens=a.max_new_tokens, **kw)
                     if s.rounds:
-                        per_round.append(s.overhead_ms / s.rounds)
-                        p50s.append(s.round_overhead_p50_ms)
-                        p99s.append(s.round_overhead_p99_ms)
-                        rounds += s.rounds
-                key = name + suffix
+                        acc[v]["per_round"].append(s.overhead_ms / s.rounds)
+                        acc[v]["p50"].append(s.round_overhead_p50_ms)
+                        acc[v]["p99"].append(s.round_overhead_p99_ms)
+                        acc[v]["rounds"].append(s.rounds)
+            for v in variants:
+                x = acc[v]
+                key = name + VARIANTS[v][0]
                 keys.append(key)
-                res[key] = {"rounds": rounds, "verify": transport,
-                            "round_overhead_p50_ms": round(statistics.median(p50s), 3),
-                            "round_overhead_p99_ms": round(statistics.median(p99s), 3),
-                            "overhead_ms_per_round_p50": round(pct(per_round, 0.5), 3),
-                            "overhead_ms_per_round_p99": round(pct(per_round, 0.99), 3),
-                            "overhead_ms_per_round_mean": round(statistics.fmean(per_round), 3)}
+                res[key] = {"rounds": int(sum(x["rounds"])), "variant": v,
+                            "round_overhead_p50_ms": round(statistics.median(x["p50"]), 3),
+                            "round_overhead_p99_ms": round(statistics.median(x["p99"]), 3),
+                            "overhead_ms_per_round_p50": round(pct(x["per_round"], 0.5), 3),
+                            "overhead_ms_per_round_p99": round(pct(x["per_round"], 0.99), 3),
+                            "overhead_ms_per_round_mean": round(statistics.fmean(x["per_round"]), 3)}
                 print(f"[overhead] {key}: {res[key]}", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "round_overhead.json").write_text(json.dumps(res, indent=2))
     where = "three `specdec serve` processes" if a.processes else "the three services on one event loop"
     md = [f"Per-round overhead on loopback ({where}), device {a.device}, {a.requests} requests × "
-          f"{a.max_new_tokens} tokens. Per round: wall time minus the target's compute and queueing minus the "
+          f"{a.max_new_tokens} tokens, every variant up at once and the requests alternating between them. Per round: wall time minus the target's compute and queueing minus the "
           "draft compute the round waited for (GenerationStats.round_overhead_p50_ms / _p99_ms, median over "
           "requests); per request: (total − exposed draft − target) / rounds, p50 and p99 over requests. "
           f"Command: `{res['command']}`", "",
-          "| run | verify | rounds | round p50 ms | round p99 ms | request p50 ms/round | request p99 ms/round | mean |",
+          f"Machine: {res['machine']['cpu']}, ISA {res['machine']['isa']}, "
+          f"flags {' '.join(res['machine']['isa_flags']) or 'none'}.", "",
+          "| run | variant | rounds | round p50 ms | round p99 ms | request p50 ms/round | request p99 ms/round | mean |",
           "|---|---|---|---|---|---|---|---|"]
     for key in keys:
         r = res[key]
-        md.append(f"| {key.split('@')[0]} | {r['verify']} | {r['rounds']} | {r['round_overhead_p50_ms']} | "
+        md.append(f"| {key.split('@')[0]} | {r['variant']} | {r['rounds']} | {r['round_overhead_p50_ms']} | "
                   f"{r['round_overhead_p99_ms']} | {r['overhead_ms_per_round_p50']} | "
                   f"{r['overhead_ms_per_round_p99']} | {r['overhead_ms_per_round_mean']} |")
     (a.out / "round_overhead.md").write_text("\n".join(md) + "\n")

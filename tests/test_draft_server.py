@@ -19,6 +19,8 @@ from draft_service.config import DrafterSpec, DraftServiceConfig
 from draft_service.drafter import OnnxDrafter
 from draft_service.onnx_model import OnnxCausalLM
 from draft_service.server import DraftServer, start
+from orchestrator.clients import GrpcDraftClient
+from orchestrator.runahead import StreamToken
 from specdec.sampling import SamplingConfig
 from specdec.tokenization import tokenizer_fingerprint
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -353,6 +355,80 @@ def test_session_stream_drafts_within_credit_keeps_a_confirmed_chain_and_ends_cl
                     break
                 await asyncio.sleep(0.02)
             assert len(server.sessions) == 0
+
+    asyncio.run(main())
+
+
+async def _events(stream: Any, until: int | None) -> list[tuple[str, int, int, int]]:
+    """(kind, position, version, token or 0) for every event until a token at
+    position ``until - 1`` or a pause (None: a pause only)."""
+    out: list[tuple[str, int, int, int]] = []
+    while True:
+        await stream.wait(10.0)
+        for ev in stream.ready():
+            if isinstance(ev, StreamToken):
+                out.append(("token", ev.position, ev.version, ev.token_id))
+                assert ev.q[0].tolist() == [ev.token_id] and ev.q[1].tolist() == [1.0]
+                if until is not None and ev.position == until - 1:
+                    return out
+            else:
+                out.append((f"paused:{ev.reason}", ev.position, ev.version, 0))
+                return out
+
+
+@pytest.mark.parametrize("drafter", ["tiny", "lookup"])
+def test_session_stream_batches_carry_the_same_events_as_single_messages(
+    tiny_models: TinyModels, tiny_onnx: TinyOnnx, drafter: str
+) -> None:
+    """A caller that sets ``batch_events`` gets the same tokens, positions,
+    versions, q and pauses as one that reads one event per message (as a
+    caller predating batches does). Prompt lookup drafts a whole span in one
+    step, and it arrives as one ``batch`` message."""
+    cfg = _config(tiny_models, tiny_onnx)
+    cfg = dataclasses.replace(cfg, drafters=cfg.drafters + [DrafterSpec(name="lookup", kind="prompt-lookup")])
+    prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7]  # lookup: ...5 6 7 -> 8 9 10 11 5 6 7 8
+
+    async def run(channel: grpc.aio.Channel, batch: bool) -> list[tuple[str, int, int, int]]:
+        client = GrpcDraftClient(channel, batch_events=batch)
+        stream = await client.open_stream(SamplingConfig(), drafter, 0, prompt, len(prompt) + 4, 0.0, 10.0)
+        try:
+            got = await _events(stream, len(prompt) + 4)
+            # two tokens confirmed, the third corrected to one never seen: a new
+            # chain under version 1 (prompt lookup finds no match: a pause)
+            drafted = [t for kind, _, _, t in got if kind == "token"]
+            await stream.commit(1, drafted[:2] + [33], 2, len(prompt) + 3 + 3, 0.0)
+            more = await _events(stream, len(prompt) + 3 + 3)
+            # one more committed token, and a confidence stop a model drafter
+            # always hits past the committed end (prompt lookup's hits have 1.0)
+            chain = [t for kind, _, _, t in more if kind == "token"]
+            await stream.commit(2, chain[:1] or [5], 0, len(prompt) + 4 + 3, 1.0)
+            return got + more + await _events(stream, len(prompt) + 4 + 3 if drafter == "lookup" else None)
+        finally:
+            await stream.close()
+
+    async def main() -> None:
+        async with serve(cfg) as (server, stub, channel):
+            single = await run(channel, False)
+            batched = await run(channel, True)
+            assert batched == single
+            kinds = [kind for kind, _, _, _ in single]
+            if drafter == "lookup":
+                assert [t for _, _, _, t in single[:4]] == [8, 9, 10, 11]
+                assert kinds[4] == "paused:no_draft" and single[4][1:3] == (len(prompt) + 3, 1)
+                assert single[5:] == [("token", len(prompt) + 4 + i, 2, t) for i, t in enumerate([6, 7, 8])]
+            else:
+                assert [v for kind, _, v, _ in single if kind == "token"] == [0] * 4 + [1] * 3 + [1]
+                assert kinds[-1] == "paused:confidence"
+                # the whole span is one message on the wire
+                call = stub.Session()
+                await call.write(draft_pb2.DraftSessionRequest(open=draft_pb2.DraftOpen(
+                    token_ids=prompt, draft_until=len(prompt) + 4, drafter="lookup", batch_events=True)))
+                assert (await call.read()).WhichOneof("kind") == "opened"
+                ev = await call.read()
+                assert ev.WhichOneof("kind") == "batch"
+                assert [t.token_id for t in ev.batch.tokens] == [8, 9, 10, 11]
+                assert [t.position for t in ev.batch.tokens] == list(range(len(prompt), len(prompt) + 4))
+                call.cancel()
 
     asyncio.run(main())
 

@@ -202,46 +202,51 @@ def stream_clean(stream_faulty):  # type: ignore[no-untyped-def]
 
 
 def _token_fault(edit: Any) -> Any:
-    """A Session event hook that applies ``edit`` to drafted tokens (from the
-    third event on, so the stream opens and drafts normally at first)."""
+    """A Session event hook that applies ``edit`` to each drafted token from
+    the second on (so the stream opens and drafts normally at first), whether
+    the draft sends them one per event or in batches. ``edit`` changes a
+    ``DraftedToken`` in place; None drops the whole event."""
     seen = {"n": 0}
 
     def hook(event: Any) -> Any:
-        seen["n"] += 1
-        if event.WhichOneof("kind") != "token" or seen["n"] < 3:
-            return event
-        return edit(event)
+        kind = event.WhichOneof("kind")
+        tokens = [event.token] if kind == "token" else list(event.batch.tokens) if kind == "batch" else []
+        for t in tokens:
+            seen["n"] += 1
+            if seen["n"] >= 2 and edit(t) is None:
+                return None
+        return event
 
     return hook
 
 
-def _ev_out_of_vocab(ev: Any) -> Any:
-    ev.token.token_id = 10_000
-    return ev
+def _ev_out_of_vocab(t: Any) -> Any:
+    t.token_id = 10_000
+    return t
 
 
-def _ev_bad_q(ev: Any) -> Any:
-    for i in range(len(ev.token.prob.probs)):
-        ev.token.prob.probs[i] *= 0.5  # sums to 0.5: not a distribution
-    return ev
+def _ev_bad_q(t: Any) -> Any:
+    for i in range(len(t.prob.probs)):
+        t.prob.probs[i] *= 0.5  # sums to 0.5: not a distribution
+    return t
 
 
-def _ev_wrong_position(ev: Any) -> Any:
-    ev.token.position += 3
-    return ev
+def _ev_wrong_position(t: Any) -> Any:
+    t.position += 3
+    return t
 
 
-def _ev_unknown_version(ev: Any) -> Any:
-    ev.token.version += 100  # a prefix version the orchestrator never committed
-    return ev
+def _ev_unknown_version(t: Any) -> Any:
+    t.version += 100  # a prefix version the orchestrator never committed
+    return t
 
 
-def _ev_old_version(ev: Any) -> Any:
-    ev.token.version = 0  # every token claims the open's prefix, whatever it was drafted on
-    return ev
+def _ev_old_version(t: Any) -> Any:
+    t.version = 0  # every token claims the open's prefix, whatever it was drafted on
+    return t
 
 
-def _ev_stall(ev: Any) -> None:
+def _ev_stall(t: Any) -> None:
     return None  # the stream stays open but sends nothing more
 
 

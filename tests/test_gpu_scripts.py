@@ -29,10 +29,12 @@ def test_gpu_cost_script_measures_real_architectures_on_cpu(tmp_path: Path) -> N
 def test_round_overhead_script_reports_per_round_overhead(tmp_path: Path) -> None:
     out = tmp_path / "overhead"
     subprocess.run([sys.executable, str(REPO / "scripts" / "round_overhead.py"), "--device", "cpu", "--requests", "3",
-                    "--max-new-tokens", "12", "--out", str(out)], check=True, capture_output=True, timeout=300, cwd=REPO)
+                    "--max-new-tokens", "12", "--variants", "stream,unary,single-events", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300, cwd=REPO)
     res = json.loads((out / "round_overhead.json").read_text())
+    assert res["machine"]["isa"] and "isa_flags" in res["machine"]
     for run in ("off", "fixed-unary", "fixed-stream", "fixed-run-ahead"):  # every draft mode
-        for key, verify in ((run, "stream"), (run + "@unary-verify", "unary")):  # both verify transports
-            assert res[key]["verify"] == verify
+        for key, variant in ((run, "stream"), (run + "@unary-verify", "unary"), (run + "@single-events", "single-events")):
+            assert res[key]["variant"] == variant
             assert res[key]["rounds"] > 0 and res[key]["overhead_ms_per_round_p50"] >= 0
             assert 0 < res[key]["round_overhead_p50_ms"] <= res[key]["round_overhead_p99_ms"]

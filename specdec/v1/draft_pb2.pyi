@@ -16,20 +16,22 @@ class DraftSessionRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[DraftOpen, _Mapping]] = ..., commit: _Optional[_Union[DraftCommit, _Mapping]] = ...) -> None: ...
 
 class DraftOpen(_message.Message):
-    __slots__ = ("sampling", "drafter", "rng_offset", "token_ids", "draft_until", "min_confidence")
+    __slots__ = ("sampling", "drafter", "rng_offset", "token_ids", "draft_until", "min_confidence", "batch_events")
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     RNG_OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_UNTIL_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_EVENTS_FIELD_NUMBER: _ClassVar[int]
     sampling: _common_pb2.SamplingParams
     drafter: str
     rng_offset: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_until: int
     min_confidence: float
-    def __init__(self, sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ..., rng_offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_until: _Optional[int] = ..., min_confidence: _Optional[float] = ...) -> None: ...
+    batch_events: bool
+    def __init__(self, sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ..., rng_offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_until: _Optional[int] = ..., min_confidence: _Optional[float] = ..., batch_events: _Optional[bool] = ...) -> None: ...
 
 class DraftCommit(_message.Message):
     __slots__ = ("token_ids", "version", "accepted", "draft_until", "min_confidence")
@@ -46,14 +48,24 @@ class DraftCommit(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_until: _Optional[int] = ..., min_confidence: _Optional[float] = ...) -> None: ...
 
 class DraftSessionEvent(_message.Message):
-    __slots__ = ("opened", "token", "paused")
+    __slots__ = ("opened", "token", "paused", "batch")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     opened: DraftOpened
     token: DraftedToken
     paused: DraftPaused
-    def __init__(self, opened: _Optional[_Union[DraftOpened, _Mapping]] = ..., token: _Optional[_Union[DraftedToken, _Mapping]] = ..., paused: _Optional[_Union[DraftPaused, _Mapping]] = ...) -> None: ...
+    batch: DraftEventBatch
+    def __init__(self, opened: _Optional[_Union[DraftOpened, _Mapping]] = ..., token: _Optional[_Union[DraftedToken, _Mapping]] = ..., paused: _Optional[_Union[DraftPaused, _Mapping]] = ..., batch: _Optional[_Union[DraftEventBatch, _Mapping]] = ...) -> None: ...
+
+class DraftEventBatch(_message.Message):
+    __slots__ = ("tokens", "paused")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[DraftedToken]
+    paused: DraftPaused
+    def __init__(self, tokens: _Optional[_Iterable[_Union[DraftedToken, _Mapping]]] = ..., paused: _Optional[_Union[DraftPaused, _Mapping]] = ...) -> None: ...
 
 class DraftOpened(_message.Message):
     __slots__ = ("session_id", "drafter")
