@@ -106,6 +106,13 @@ def speculation_config(mode: str, gamma: int = 0, drafter: str = "", min_confide
                                 min_confidence=min_confidence)
 
 
+def decode_rate(tokens: int, wall_s: float, ttft_ms: float) -> float:
+    """Tokens per second after the first token (the prompt's prefill left
+    out): what speculation speeds up. 0 when there is nothing after it."""
+    after = wall_s - ttft_ms / 1e3
+    return (tokens - 1) / after if tokens > 1 and after > 0 else 0.0
+
+
 def _generate(stub: Any, prompt: dict[str, Any], mode: str, gamma: int, max_new: int, drafter: str = "") -> dict[str, Any]:
     from specdec.v1 import orchestrator_pb2 as pb
 
@@ -140,6 +147,7 @@ def _generate(stub: Any, prompt: dict[str, Any], mode: str, gamma: int, max_new:
         "wall_s": wall,
         "tokens": len(ids),
         "tokens_per_second": len(ids) / wall if wall > 0 else 0.0,
+        "decode_tokens_per_second": decode_rate(len(ids), wall, s.time_to_first_token_ms),
         "ttft_ms": s.time_to_first_token_ms,
         "rounds": s.rounds,
         "draft_tokens": s.draft_tokens,
@@ -281,6 +289,11 @@ def run_bench(a: argparse.Namespace, orch: str, target: str) -> dict[str, Any]:
                         "tokens": run["tokens"], "baseline_tokens": ref["tokens"],
                         "baseline_tok_s": ref["tokens_per_second"], "spec_tok_s": run["tokens_per_second"],
                         "speedup": run["tokens_per_second"] / ref["tokens_per_second"] if ref["tokens_per_second"] else 0.0,
+                        "baseline_ttft_ms": ref["ttft_ms"], "spec_ttft_ms": run["ttft_ms"],
+                        "baseline_decode_tok_s": ref["decode_tokens_per_second"],
+                        "spec_decode_tok_s": run["decode_tokens_per_second"],
+                        "decode_speedup": (run["decode_tokens_per_second"] / ref["decode_tokens_per_second"]
+                                           if ref["decode_tokens_per_second"] else 0.0),
                         "acceptance_rate": run["acceptance_rate"], "alpha": alpha,
                         "mean_accepted_length": run["mean_accepted_length"], "c": c,
                         "leviathan_bound": bound,

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 HEADER = (
-    "| prompt | category | drafter | mode | γ | speedup | baseline tok/s | spec tok/s | α (accept rate) | α (from E) | mean accepted | c | bound | "
-    "round split draft/verify/overhead ms | identical |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| prompt | category | drafter | mode | γ | speedup | baseline tok/s | spec tok/s | decode speedup | TTFT s off/spec | "
+    "α (accept rate) | α (from E) | mean accepted | c | bound | "
+    "round split draft/verify/overhead ms | identical |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -21,7 +22,8 @@ def md_row(r: dict[str, Any]) -> str:
     )
     return (
         f"| {r['prompt']} | {r['category']} | {r['drafter']} | {r['mode']} | {r['gamma'] or 'adaptive'} | {r['speedup']:.2f}× | {r['baseline_tok_s']:.2f} | "
-        f"{r['spec_tok_s']:.2f} | {r['acceptance_rate']:.2f} | {r['alpha']:.2f} | {r['mean_accepted_length']:.2f} | "
+        f"{r['spec_tok_s']:.2f} | {r.get('decode_speedup', 0.0):.2f}× | "
+        f"{r.get('baseline_ttft_ms', 0.0) / 1e3:.1f}/{r.get('spec_ttft_ms', 0.0) / 1e3:.1f} | {r['acceptance_rate']:.2f} | {r['alpha']:.2f} | {r['mean_accepted_length']:.2f} | "
         f"{r['c']:.3f} | {r['leviathan_bound']:.2f}× | {r['round_draft_ms']:.0f}/{r['round_verify_ms']:.0f}/"
         f"{r['round_overhead_ms']:.0f} | {ident} |"
     )
@@ -43,10 +45,15 @@ def fastest_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def to_markdown(res: dict[str, Any], meta: dict[str, Any]) -> str:
-    lines = [f"Run: {meta}", "", HEADER] + [md_row(r) for r in res["rows"]] + fastest_table(res["rows"])
-    if res["rows"]:
-        lines += ["", "Speedup over target-only by category (geometric mean over the category's prompts):", ""]
-        table = category_table(res["rows"])
+    lines = [f"Run: {meta}", "",
+             "speedup: tokens/s over the whole request (the prompt's prefill included) against OFF's; "
+             "decode speedup: the same after the first token (prefill left out), what speculation changes.",
+             "", HEADER] + [md_row(r) for r in res["rows"]] + fastest_table(res["rows"])
+    for key, what in (("speedup", "Speedup"), ("decode_speedup", "Decode speedup (after the first token)")):
+        if not res["rows"] or key not in res["rows"][0]:
+            continue
+        lines += ["", f"{what} over target-only by category (geometric mean over the category's prompts):", ""]
+        table = category_table(res["rows"], key)
         cats = sorted({c for c, _ in table})
         confs = sorted({k for _, k in table}, key=_conf_order)
         lines += ["| category | " + " | ".join(_conf_label(k) for k in confs) + " |",
@@ -78,10 +85,10 @@ def _conf_label(k: tuple[str, str, int]) -> str:
     return f"{k[0]} {name}" if k[0] else name
 
 
-def category_table(rows: list[dict[str, Any]]) -> dict[tuple[str, tuple[str, str, int]], float]:
+def category_table(rows: list[dict[str, Any]], key: str = "speedup") -> dict[tuple[str, tuple[str, str, int]], float]:
     acc: dict[tuple[str, tuple[str, str, int]], list[float]] = {}
     for r in rows:
-        acc.setdefault((r["category"], _conf(r)), []).append(r["speedup"])
+        acc.setdefault((r["category"], _conf(r)), []).append(r[key])
     return {k: math.exp(statistics.fmean(math.log(max(x, 1e-9)) for x in v)) for k, v in acc.items()}
 
 

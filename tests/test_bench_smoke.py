@@ -31,6 +31,10 @@ def test_bench_writes_json_markdown_and_plots(tiny_models, onnx_cache_dir: Path,
         for row in res["rows"]:
             assert row["identical"], row  # float32 tiny target: greedy identical in every mode
             assert row["speedup"] > 0 and 0 <= row["acceptance_rate"] <= 1
+            # decode-only throughput: the same tokens after the first, over the time after it
+            assert row["spec_decode_tok_s"] > row["spec_tok_s"] * (row["tokens"] - 1) / row["tokens"]
+            assert row["decode_speedup"] == row["spec_decode_tok_s"] / row["baseline_decode_tok_s"]
+            assert 0 < row["spec_ttft_ms"] and 0 < row["baseline_ttft_ms"]
             assert row["leviathan_bound"] > 0
         assert sorted(int(k) for k in res["verify_cost_ms"]) == list(range(1, 9))
         # every result names its machine and the target's numerics
