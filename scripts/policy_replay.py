@@ -18,6 +18,9 @@ t_verify(k) curve and the draft's per-token time), with noise.
     # with a fixed threshold (0.2)
     .venv/bin/python scripts/policy_replay.py replay bench-out/traces.json --min-confidence 0 \
         --min-confidence -1 --min-confidence 0.2
+    # with this machine's measured verify curve (a `specdec bench` results.json)
+    .venv/bin/python scripts/policy_replay.py replay bench-out/traces.json \
+        --curve docs/bench/avx2-auto-12-r2/results.json --draft-token-ms 25 --overhead-ms 6
 
 This is a tuning tool; the numbers that count come from ``specdec bench``.
 """
@@ -121,9 +124,20 @@ class Costs:
     draft_rtt: float = 2.0
     overhead: float = 20.0
     noise: float = 0.06
+    curve: dict[int, float] | None = None  # a measured t_verify(k) (--curve): used instead of a + b·(k−1)
+
+    def __post_init__(self) -> None:
+        self._model: Any = None
+        if self.curve:
+            from orchestrator.costs import CostModel
+
+            self._model = CostModel()
+            self._model.set_prior(self.curve, self.draft_token)
+            self.verify_a = self.curve[min(self.curve)]
 
     def verify(self, k: int, rng: random.Random) -> float:
-        return (self.verify_a + self.verify_b * (k - 1)) * (1 + rng.gauss(0, self.noise))
+        mean = self._model.forward_ms(k) if self._model is not None else self.verify_a + self.verify_b * (k - 1)
+        return mean * (1 + rng.gauss(0, self.noise))
 
     def draft(self, gamma: int, rng: random.Random) -> tuple[float, float]:
         compute = self.draft_token * gamma * (1 + rng.gauss(0, self.noise))
@@ -174,6 +188,15 @@ def replay_one(trace: dict[str, Any], policy: Any, costs: Costs, rng: random.Ran
     return {"tok_s": n / ms * 1e3, "gammas": gammas, "accepted": accs}
 
 
+def load_curve(path: str) -> dict[int, float]:
+    """t_verify(k) in ms from a JSON file: `specdec bench`'s results.json (the
+    target's calibrated ``numerics.forward_cost_ms``) or a plain {k: ms}."""
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, dict) and "numerics" in data:
+        data = data["numerics"]["forward_cost_ms"]
+    return {int(k): float(v) for k, v in data.items()}
+
+
 def replay(a: argparse.Namespace) -> dict[str, Any]:
     from orchestrator.policy import AdaptiveConfig, PolicyFactory
 
@@ -181,12 +204,16 @@ def replay(a: argparse.Namespace) -> dict[str, Any]:
     # in the benchmark's order (the shared estimates carry from one prompt to the next)
     order = [json.loads(line)["id"] for line in (REPO / "benchmarks" / "prompts.jsonl").read_text().splitlines() if line.strip()]
     traces.sort(key=lambda t: order.index(t["id"]) if t["id"] in order else len(order))
-    costs = Costs()
+    curve = load_curve(a.curve) if a.curve else None
+    costs = Costs(curve=curve, **({"draft_token": a.draft_token_ms} if a.draft_token_ms else {}),
+                  **({"overhead": a.overhead_ms} if a.overhead_ms is not None else {}))
     overrides = json.loads(a.adaptive) if a.adaptive else {}
     results: dict[str, dict[str, float]] = {}
     for seed in range(a.seeds):
         rng = random.Random(seed)
         factory = PolicyFactory(default_gamma=4, gamma_max=16, adaptive=AdaptiveConfig(gamma_max=16, **overrides))
+        if curve:  # as the services do: the policy starts from the measured costs
+            factory.set_cost_priors(curve, {"draft": costs.draft_token})
         configs = [("fixed", g, 0.0) for g in (1, 2, 3, 4, 6, 8)] + [("heuristic", 0, 0.0)]
         configs += [("auto", 0, float(tau)) for tau in a.min_confidence]
         for t in traces:
@@ -240,6 +267,10 @@ def main() -> None:
     r.add_argument("--min-confidence", type=float, action="append",
                    help="AUTO's draft confidence stop (repeatable; -1 = the policy's derived threshold; default 0)")
     r.add_argument("--verbose", action="store_true")
+    r.add_argument("--curve", default="", help="the target's measured t_verify(k): a `specdec bench` results.json "
+                   "or a JSON {k: ms} (default: the reference CPU's line a + b·(k−1))")
+    r.add_argument("--draft-token-ms", type=float, default=0.0, help="the draft's ms per token (default 21)")
+    r.add_argument("--overhead-ms", type=float, default=None, help="per-round overhead in ms (default 20)")
     a = ap.parse_args()
     if a.cmd == "replay" and not a.min_confidence:
         a.min_confidence = [0.0]
