@@ -124,7 +124,10 @@ class SessionStream:
                                                                            drafter=drafter.name))
             carry: Any = None  # an item taken while batching that ends the batch
             while True:
-                item, carry = (carry if carry is not None else await out.get()), None
+                if carry is not None:
+                    item, carry = carry, None
+                else:
+                    item = await out.get()
                 if item is _END:
                     return
                 if isinstance(item, BaseException):

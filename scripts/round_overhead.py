@@ -119,7 +119,7 @@ def main() -> int:
 
     root = Path(tempfile.mkdtemp())
     target = build_tiny_model(root / "target", chars="abcdefghijklmnopqrstuvwxyz .,:!?\n", seed=1)
-    from specdec_app.bench import machine_meta
+    from specdec_app.bench import alternating, machine_meta
 
     res: dict[str, Any] = {"device": a.device, "processes": a.processes, "command": " ".join(sys.argv),
                            "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_meta()}
@@ -137,14 +137,13 @@ def main() -> int:
                                                       for v in variants}
             for v in variants:
                 gens[v](max_new_tokens=8, **kw)  # warm-up
-            for i in range(a.requests):
-                for v in (variants if i % 2 == 0 else variants[::-1]):
-                    s = gens[v](max_new_tokens=a.max_new_tokens, **kw)
-                    if s.rounds:
-                        acc[v]["per_round"].append(s.overhead_ms / s.rounds)
-                        acc[v]["p50"].append(s.round_overhead_p50_ms)
-                        acc[v]["p99"].append(s.round_overhead_p99_ms)
-                        acc[v]["rounds"].append(s.rounds)
+            for v in alternating(variants, a.requests):
+                s = gens[v](max_new_tokens=a.max_new_tokens, **kw)
+                if s.rounds:
+                    acc[v]["per_round"].append(s.overhead_ms / s.rounds)
+                    acc[v]["p50"].append(s.round_overhead_p50_ms)
+                    acc[v]["p99"].append(s.round_overhead_p99_ms)
+                    acc[v]["rounds"].append(s.rounds)
             for v in variants:
                 x = acc[v]
                 key = name + VARIANTS[v][0]

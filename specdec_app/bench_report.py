@@ -22,8 +22,8 @@ def md_row(r: dict[str, Any]) -> str:
     )
     return (
         f"| {r['prompt']} | {r['category']} | {r['drafter']} | {r['mode']} | {r['gamma'] or 'adaptive'} | {r['speedup']:.2f}× | {r['baseline_tok_s']:.2f} | "
-        f"{r['spec_tok_s']:.2f} | {r.get('decode_speedup', 0.0):.2f}× | "
-        f"{r.get('baseline_ttft_ms', 0.0) / 1e3:.1f}/{r.get('spec_ttft_ms', 0.0) / 1e3:.1f} | {r['acceptance_rate']:.2f} | {r['alpha']:.2f} | {r['mean_accepted_length']:.2f} | "
+        f"{r['spec_tok_s']:.2f} | {r['decode_speedup']:.2f}× | "
+        f"{r['baseline_ttft_ms'] / 1e3:.1f}/{r['spec_ttft_ms'] / 1e3:.1f} | {r['acceptance_rate']:.2f} | {r['alpha']:.2f} | {r['mean_accepted_length']:.2f} | "
         f"{r['c']:.3f} | {r['leviathan_bound']:.2f}× | {r['round_draft_ms']:.0f}/{r['round_verify_ms']:.0f}/"
         f"{r['round_overhead_ms']:.0f} | {ident} |"
     )
@@ -50,8 +50,8 @@ def to_markdown(res: dict[str, Any], meta: dict[str, Any]) -> str:
              "decode speedup: the same after the first token (prefill left out), what speculation changes.",
              "", HEADER] + [md_row(r) for r in res["rows"]] + fastest_table(res["rows"])
     for key, what in (("speedup", "Speedup"), ("decode_speedup", "Decode speedup (after the first token)")):
-        if not res["rows"] or key not in res["rows"][0]:
-            continue
+        if not res["rows"]:
+            break
         lines += ["", f"{what} over target-only by category (geometric mean over the category's prompts):", ""]
         table = category_table(res["rows"], key)
         cats = sorted({c for c, _ in table})
