@@ -32,16 +32,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-
 import torch
+
+from target_service import cbuild
 
 C_SOURCE = r"""
 #include <immintrin.h>
@@ -274,13 +269,6 @@ _ROW_ALIGN = 4  # rows of W per block: thread ranges start on a block boundary
 _lock = threading.Lock()
 
 
-def _compiler() -> str | None:
-    for cc in (os.environ.get("CC", ""), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return cc
-    return None
-
-
 def _cpu_ok() -> str:
     from target_service.backends import cpu_info
 
@@ -292,34 +280,12 @@ def _cpu_ok() -> str:
 @functools.lru_cache(maxsize=1)
 def _library() -> tuple[ctypes.CDLL | None, str]:
     """(the compiled kernel, "") or (None, why not)."""
-    import platform
-
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"x86-64 only (this is {platform.machine()})"
     why = _cpu_ok()
     if why:
         return None, why
-    cc = _compiler()
-    if cc is None:
-        return None, "no C compiler (cc, gcc or clang) on PATH"
-    digest = hashlib.sha256((C_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
-    root = Path(tempfile.gettempdir()) / f"specdec-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"
-    lib = root / f"bf16w-{digest}.so"
-    with _lock:
-        if not lib.exists():
-            root.mkdir(parents=True, exist_ok=True)
-            src = root / f"bf16w-{digest}.{os.getpid()}.c"
-            tmp = root / f"bf16w-{digest}.{os.getpid()}.so"
-            src.write_text(C_SOURCE)
-            try:
-                subprocess.run([cc, *_FLAGS, "-o", str(tmp), str(src)], check=True, capture_output=True, timeout=120)
-            except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
-                err = getattr(e, "stderr", b"") or b""
-                return None, f"compiling the kernel failed: {e} {err.decode(errors='replace')[:400]}"
-            finally:
-                src.unlink(missing_ok=True)
-            os.replace(tmp, lib)
-        dll = ctypes.CDLL(str(lib))
+    dll, why = cbuild.load("bf16w", C_SOURCE, _FLAGS)
+    if dll is None:
+        return None, why
     fn = dll.specdec_bf16w_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
