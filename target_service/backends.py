@@ -22,6 +22,15 @@ converted modules, so a session computes all its logits in one precision.
   in k on CPUs without native BF16. Its numerics are its own: bf16-rounded
   weights (as bf16 eager rounds them) with float32 activations.
 
+- ``kquant`` (pair ``bfloat16/kquant``) and ``int4`` (``bfloat16/int4``):
+  the linear layers built from the GGUF's own quantized blocks
+  (``target_service/quant.py``): Q4_K and Q6_K codes run by our kernel
+  (``target_service/kquant.py``), or Q4_K on torch's int4 weight-only kernel
+  with the 6-bit tensors in bf16. ``int4-q8`` is ``int4`` with the 6-bit
+  tensors requantized to int8 per row: **lossy**, explicit only. For these
+  pairs "bfloat16" names the rounding of each linear layer's input;
+  everything else computes in float32.
+
 ``cpu_info()`` names what the CPU offers; ``eligible_pairs()`` lists the
 (dtype, backend) pairs worth calibrating on a device.
 """
@@ -31,11 +40,16 @@ from __future__ import annotations
 import functools
 import platform
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-BACKENDS = ("eager", "packed", "bf16w")
+BACKENDS = ("eager", "packed", "bf16w", "kquant", "int4", "int4-q8")
+#: backends whose linear layers come from the GGUF's quantized blocks
+QUANT_BACKENDS = ("kquant", "int4", "int4-q8")
+#: quantized backends ``auto`` may choose (fidelity permitting); int4-q8 is lossy
+AUTO_QUANT_BACKENDS = ("kquant", "int4")
 DTYPES = ("bfloat16", "float32", "float16")
 
 # cpu flags reported (lscpu / /proc/cpuinfo names)
@@ -100,11 +114,13 @@ def packed_supported(dtype: torch.dtype, device: torch.device) -> bool:
     return False
 
 
-def eligible_pairs(device: torch.device) -> list[tuple[str, str]]:
+def eligible_pairs(device: torch.device, gguf_path: Path | None = None) -> list[tuple[str, str]]:
     """(dtype, backend) pairs ``--target-dtype auto --target-backend auto``
     chooses among on ``device``. On CUDA: bf16 eager (fp16 where the GPU has
-    no bf16). On CPU: bf16 and float32 eager, float32 packed, and bf16 packed
-    where oneDNN has native BF16."""
+    no bf16). On CPU: bf16 and float32 eager, float32 packed, bf16 packed
+    where oneDNN has native BF16, bf16w, and, when the model's GGUF is at
+    ``gguf_path`` with Q4_K layers, the quantized pairs this CPU runs
+    (``kquant``, ``int4``; chosen only within the fidelity bound)."""
     if device.type == "cuda":
         return [("bfloat16" if torch.cuda.is_bf16_supported() else "float16", "eager")]
     if device.type != "cpu":
@@ -116,6 +132,10 @@ def eligible_pairs(device: torch.device) -> list[tuple[str, str]]:
         pairs.append(("bfloat16", "packed"))
     if bf16w_supported(torch.bfloat16, device):
         pairs.append(("bfloat16", "bf16w"))
+    if gguf_path is not None:
+        from target_service import quant
+
+        pairs += [("bfloat16", b) for b in AUTO_QUANT_BACKENDS if quant.supported(b, device, gguf_path)[0]]
     return pairs
 
 
@@ -132,8 +152,9 @@ def bf16w_supported(dtype: torch.dtype, device: torch.device) -> bool:
 def load_dtype(dtype: torch.dtype, backend: str) -> torch.dtype:
     """The dtype to load the checkpoint in before ``apply_backend`` (bf16w
     loads bf16, half the memory of float32, and widens what is not a linear
-    weight afterwards)."""
-    return dtype
+    weight afterwards; the quantized backends load float32, the exact
+    dequantization, and replace the linear layers from the GGUF)."""
+    return torch.float32 if backend in QUANT_BACKENDS else dtype
 
 
 class PackedLinear(torch.nn.Module):
@@ -195,19 +216,49 @@ def compute_threads() -> int:
     return _compute_threads
 
 
-def apply_backend(model: torch.nn.Module, backend: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Converts a loaded (eval-mode, on ``device``) model for ``backend``.
+#: backends whose own kernel takes every compute thread (torch keeps one)
+KERNEL_BACKENDS = ("bf16w", "kquant")
 
-    Threads: bf16w runs its kernel on all compute threads and torch's own ops
-    on one (torch's OpenMP workers spin after each op and would take the
-    cores the kernel's threads need: measured 450 → 290 ms per step on the
-    1.5B target); every other backend gives torch all compute threads."""
+
+def set_backend_threads(backend: str) -> None:
+    """Divides the compute threads between torch and ``backend``'s kernel
+    (see :func:`apply_backend`); the engine calls it again whenever it sets
+    threads, so that nothing undoes the division."""
+    from target_service import bf16w
+
+    threads = compute_threads()
+    bf16w.set_threads(threads)
+    if backend == "kquant":
+        from target_service import kquant
+
+        kquant.set_threads(threads)
+    torch.set_num_threads(1 if backend in KERNEL_BACKENDS else threads)
+
+
+def apply_backend(model: torch.nn.Module, backend: str, dtype: torch.dtype, device: torch.device,
+                  gguf_path: Path | None = None) -> torch.nn.Module:
+    """Converts a loaded (eval-mode, on ``device``) model for ``backend``
+    (the quantized backends build its linear layers from ``gguf_path``).
+
+    Threads: bf16w and kquant run their kernels on all compute threads and
+    torch's own ops on one (torch's OpenMP workers spin after each op and
+    would take the cores the kernel's threads need: measured 450 → 290 ms per
+    step on the 1.5B target with bf16w, 55 → 27 ms with kquant); every other
+    backend gives torch all compute threads."""
     if device.type == "cpu":
-        from target_service import bf16w
+        set_backend_threads(backend)
+    if backend in QUANT_BACKENDS:
+        from target_service import quant
 
-        threads = compute_threads()
-        bf16w.set_threads(threads)
-        torch.set_num_threads(1 if backend == "bf16w" else threads)
+        if dtype != torch.bfloat16 or gguf_path is None:
+            raise ValueError(f"backend {backend!r} runs bfloat16 activations from the model's GGUF "
+                             f"(asked for {str(dtype).removeprefix('torch.')}"
+                             f"{'' if gguf_path else ', and no GGUF is on disk for this model'})")
+        ok, why = quant.supported(backend, device, gguf_path)
+        if not ok:
+            raise ValueError(f"backend {backend!r} cannot run here: {why}")
+        quant.apply_quant(model, backend, gguf_path)
+        return model
     if backend == "eager":
         return model
     if backend == "packed":

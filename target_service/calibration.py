@@ -31,7 +31,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Mapping, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -48,10 +48,11 @@ CALIBRATION_KV = 128  # tokens of KV cache behind the measured pass (a short pro
 ACCEPTANCE_MIX = (0.1, 0.3, 0.5, 0.7, 0.8, 0.9)
 DRAFT_RATIO = 0.1  # draft cost per token / the fastest target step
 GAMMA_MAX = 8
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 Curve = dict[int, float]  # k -> ms for one forward pass of k new tokens
 Pair = tuple[str, str]  # (dtype, backend)
+Measured = tuple[Curve, "dict[str, object] | None"]  # a pair's curve and its fidelity (or None)
 
 
 def interpolate(curve: Mapping[int, float], k: float) -> float:
@@ -102,17 +103,47 @@ def pick_pair(
     mix: Sequence[float] = ACCEPTANCE_MIX,
     draft_ratio: float = DRAFT_RATIO,
     gamma_max: int = GAMMA_MAX,
+    admissible: Collection[Pair] | None = None,
 ) -> Choice:
     """The pair with the highest mean expected throughput over ``mix``
-    (ties: the earlier pair in ``curves``)."""
+    (ties: the earlier pair in ``curves``), among ``admissible`` (None: all;
+    every pair is scored either way)."""
     if not curves:
         raise ValueError("no calibrated pairs to choose from")
     draft_ms = draft_ratio * min(interpolate(c, 1) for c in curves.values())
     scores = {
         pair: statistics.fmean(best_rate(c, a, draft_ms, gamma_max)[0] for a in mix) for pair, c in curves.items()
     }
-    best = max(curves, key=lambda p: scores[p])
+    allowed = [p for p in curves if admissible is None or p in admissible]
+    if not allowed:
+        raise ValueError("no admissible pair to choose from")
+    best = max(allowed, key=lambda p: scores[p])
     return Choice(best, scores, draft_ms)
+
+
+def fidelity_admissible(pairs: Sequence[Pair], fidelity: Mapping[Pair, Mapping[str, object]]) -> tuple[list[Pair], dict[Pair, str]]:
+    """The pairs ``auto`` may choose: every non-quantized pair, and each
+    quantized one whose measured fidelity is within the bound of the best
+    bf16 pair's (``target_service.fidelity.within_bound``); the others with
+    the reason they are left out."""
+    from target_service.backends import QUANT_BACKENDS
+    from target_service.fidelity import within_bound
+
+    bf16 = [fidelity[p] for p in pairs if p[0] == "bfloat16" and p[1] not in QUANT_BACKENDS and p in fidelity]
+    best_bf16 = min(bf16, key=lambda f: float(f["mean_kl"])) if bf16 else None  # type: ignore[arg-type]
+    ok, out = [], {}
+    for p in pairs:
+        if p[1] not in QUANT_BACKENDS:
+            ok.append(p)
+        elif p not in fidelity or best_bf16 is None:
+            out[p] = "its fidelity against the exact dequantization was not measured"
+        elif not within_bound(dict(fidelity[p]), dict(best_bf16)):
+            out[p] = (f"mean KL {float(fidelity[p]['mean_kl']):.2e} / top-1 {float(fidelity[p]['top1_agreement']):.4f} "
+                      f"is outside the bound of the best bf16 pair's ({float(best_bf16['mean_kl']):.2e} / "
+                      f"{float(best_bf16['top1_agreement']):.4f})")
+        else:
+            ok.append(p)
+    return ok, out
 
 
 def measure_curve(
@@ -154,6 +185,10 @@ class CalibrationResult:
     chosen_by: str = "calibration"  # calibration | flags | device
     cached: bool = False
     seconds: float = 0.0
+    # "dtype/backend" -> target_service.fidelity.Fidelity as a dict (measured
+    # when a quantized pair is a candidate), and why pairs were not admissible
+    fidelity: dict[str, dict[str, object]] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)
 
     @property
     def curve(self) -> Curve:
@@ -162,11 +197,16 @@ class CalibrationResult:
     def table(self) -> str:
         """The curves as text lines (logs, docs)."""
         ks = sorted({k for c in self.curves.values() for k in c})
-        lines = ["pair              " + " ".join(f"k={k:<6}" for k in ks) + "  score tok/s"]
+        lines = ["pair              " + " ".join(f"k={k:<6}" for k in ks) + "  score tok/s"
+                 + ("  mean KL   top-1" if self.fidelity else "")]
         for key, c in self.curves.items():
             mark = "*" if key == pair_key((self.dtype, self.backend)) else " "
             cells = " ".join(f"{c.get(k, float('nan')):<8.1f}" for k in ks)
-            lines.append(f"{mark}{key:<17}{cells}  {self.scores.get(key, 0.0):.2f}")
+            fid = self.fidelity.get(key)
+            tail = f"  {float(fid['mean_kl']):.2e}  {float(fid['top1_agreement']):.4f}" if fid else ""
+            if key in self.excluded:
+                tail += "  (not admissible)"
+            lines.append(f"{mark}{key:<17}{cells}  {self.scores.get(key, 0.0):.2f}{tail}")
         return "\n".join(lines)
 
 
@@ -176,23 +216,34 @@ def pair_key(pair: Pair) -> str:
 
 def choose(
     pairs: Sequence[Pair],
-    measure: Callable[[Pair], Curve],
+    measure: Callable[[Pair], Measured],
     cache: "CalibrationCache | None" = None,
+    fidelity_needed: bool = False,
 ) -> CalibrationResult:
-    """Measures every pair (or takes them from ``cache``) and picks one."""
+    """Measures every pair (or takes them from ``cache``) and picks one.
+    With ``fidelity_needed`` (a quantized pair is a candidate), a cached pair
+    without a fidelity is measured again, and the quantized pairs outside the
+    fidelity bound are not admissible (:func:`fidelity_admissible`)."""
     t0 = time.perf_counter()
     curves: dict[Pair, Curve] = {}
+    fidelity: dict[Pair, dict[str, object]] = {}
     cached_all = True
     for pair in pairs:
-        curve = cache.get(pair) if cache is not None else None
-        if curve is None:
+        got = cache.get_entry(pair) if cache is not None else None
+        if got is None or (fidelity_needed and got[1] is None):
             cached_all = False
             log(logger, logging.INFO, "calibrating target", dtype=pair[0], backend=pair[1])
-            curve = measure(pair)
+            got = measure(pair)
             if cache is not None:
-                cache.put(pair, curve)
-        curves[pair] = curve
-    choice = pick_pair(curves)  # one pair: that pair
+                cache.put(pair, got[0], got[1])
+        curves[pair] = got[0]
+        if got[1] is not None:
+            fidelity[pair] = got[1]
+    admissible, excluded = (fidelity_admissible(pairs, fidelity) if fidelity_needed else (list(pairs), {}))
+    if excluded:
+        log(logger, logging.WARNING, "quantized numerics not admissible for auto",
+            pairs={pair_key(p): why for p, why in excluded.items()})
+    choice = pick_pair(curves, admissible=admissible)  # one pair: that pair
     dtype, backend = choice.pair
     return CalibrationResult(
         dtype=dtype,
@@ -202,6 +253,8 @@ def choose(
         draft_ms=round(choice.draft_ms, 3),
         cached=cached_all,
         seconds=round(time.perf_counter() - t0, 2),
+        fidelity={pair_key(p): f for p, f in fidelity.items()},
+        excluded={pair_key(p): why for p, why in excluded.items()},
     )
 
 
@@ -214,6 +267,7 @@ class CalibrationCache:
         digest = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:16]
         self.path = Path(root) / f"{digest}.json"
         self._data: dict[str, Curve] | None = None
+        self._fidelity: dict[str, dict[str, object]] = {}
 
     def _load(self) -> dict[str, Curve]:
         if self._data is None:
@@ -222,6 +276,7 @@ class CalibrationCache:
                 raw = json.loads(self.path.read_text())
                 if raw.get("identity") == json.loads(json.dumps(self.identity)):
                     self._data = {key: {int(k): float(v) for k, v in c.items()} for key, c in raw["curves"].items()}
+                    self._fidelity = {key: dict(f) for key, f in (raw.get("fidelity") or {}).items()}
             except (OSError, ValueError, KeyError, AttributeError, TypeError):
                 pass
         return self._data
@@ -229,13 +284,21 @@ class CalibrationCache:
     def get(self, pair: Pair) -> Curve | None:
         return self._load().get(pair_key(pair))
 
-    def put(self, pair: Pair, curve: Curve) -> None:
+    def get_entry(self, pair: Pair) -> Measured | None:
+        """(curve, fidelity or None), or None when the pair was not measured."""
+        curve = self.get(pair)
+        return None if curve is None else (curve, self._fidelity.get(pair_key(pair)))
+
+    def put(self, pair: Pair, curve: Curve, fidelity: "dict[str, object] | None" = None) -> None:
         data = self._load()
         data[pair_key(pair)] = dict(curve)
+        if fidelity is not None:
+            self._fidelity[pair_key(pair)] = dict(fidelity)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"identity": self.identity, "curves": data}, indent=1, sort_keys=True))
+            tmp.write_text(json.dumps({"identity": self.identity, "curves": data, "fidelity": self._fidelity},
+                                      indent=1, sort_keys=True))
             os.replace(tmp, self.path)
         except OSError as e:  # a read-only cache only costs a re-measure next start
             log(logger, logging.WARNING, "could not write the calibration cache", path=str(self.path), error=repr(e))
@@ -243,13 +306,25 @@ class CalibrationCache:
 
 
 # ------------------------------------------------------------- start-up
-def resolve_pairs(dtype: str, backend: str, device: "torch.device") -> tuple[list[Pair], str]:
+def resolve_pairs(dtype: str, backend: str, device: "torch.device",
+                  gguf_path: Path | None = None, need_file: bool = True) -> tuple[list[Pair], str]:
     """The (dtype, backend) pairs to calibrate for the flags given, and how
     the pair is chosen: ``flags`` when both are explicit (explicit values
     always win), else ``calibration`` among the eligible pairs that agree
     with whichever flag is explicit. ValueError for a pair this device
-    cannot run."""
-    from target_service.backends import BACKENDS, DTYPES, eligible_pairs, packed_supported
+    cannot run (``need_file=False``: before the model is resolved, a
+    quantized backend is checked against the CPU only)."""
+    from target_service.backends import BACKENDS, DTYPES, QUANT_BACKENDS, eligible_pairs, packed_supported
+
+    if backend in QUANT_BACKENDS:  # one dtype: bf16 activations
+        if dtype not in ("auto", "bfloat16"):
+            raise ValueError(f"--target-backend {backend} runs bfloat16 activations (asked for {dtype})")
+        from target_service import quant
+
+        ok, why = quant.supported(backend, device, gguf_path) if need_file else quant.cpu_supported(backend, device)
+        if not ok:
+            raise ValueError(f"--target-backend {backend} cannot run here: {why}")
+        return [("bfloat16", backend)], "flags"
 
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"unknown target dtype {dtype!r}; choose auto or one of {', '.join(DTYPES)}")
@@ -278,7 +353,7 @@ def resolve_pairs(dtype: str, backend: str, device: "torch.device") -> tuple[lis
                     f"oneDNN {dtype} GEMM; use float32 or --target-backend eager"
                 )
         return [(dtype, backend)], "flags"
-    pairs = [p for p in eligible_pairs(device) if dtype in ("auto", p[0]) and backend in ("auto", p[1])]
+    pairs = [p for p in eligible_pairs(device, gguf_path) if dtype in ("auto", p[0]) and backend in ("auto", p[1])]
     if not pairs:  # e.g. float16 on a CPU: only eager runs it
         if backend == "packed":
             raise ValueError(f"--target-backend packed has no eligible dtype on {device}")
@@ -317,8 +392,9 @@ def available_memory_bytes() -> int:
 
 def _kernel_digest() -> str:
     from target_service.bf16w import C_SOURCE
+    from target_service.kquant import _SOURCE
 
-    return hashlib.sha256(C_SOURCE.encode()).hexdigest()[:12]
+    return hashlib.sha256((C_SOURCE + _SOURCE.read_text()).encode()).hexdigest()[:12]
 
 
 def machine_identity(device: "torch.device") -> dict[str, object]:
@@ -348,6 +424,11 @@ def machine_identity(device: "torch.device") -> dict[str, object]:
     return ident
 
 
+#: tokens of the fidelity corpus scored at calibration (one window; the
+#: ``specdec fidelity`` command scores 2,048 and more)
+CALIBRATION_FIDELITY_TOKENS = 256
+
+
 def calibrate(
     hf_dir: Path,
     dtype: str,
@@ -357,16 +438,21 @@ def calibrate(
     model_name: str,
     measure: bool = True,
     budget_s: float = 30.0,
+    gguf_path: Path | None = None,
 ) -> tuple[CalibrationResult, "torch.nn.Module | None"]:
     """Runs start-up calibration. Returns the result and, when it could be
     kept, the chosen pair's loaded model (None: load it). With
     ``measure=False`` and an explicit pair, nothing is timed and the result
-    has no curve."""
+    has no curve. When a quantized pair is a candidate for an automatic
+    choice, every pair's fidelity against ``float32/eager`` is measured
+    too (:data:`CALIBRATION_FIDELITY_TOKENS` tokens), and a quantized pair is
+    chosen only within the bound (target_service/fidelity.py)."""
     import gc
 
+    from target_service.backends import QUANT_BACKENDS
     from target_service.loading import load_model, measure_forward_curve, parse_dtype
 
-    pairs, how = resolve_pairs(dtype, backend, device)
+    pairs, how = resolve_pairs(dtype, backend, device, gguf_path)
     if not measure:
         if len(pairs) > 1:
             pairs = pairs[:1]  # no measurement: the first eligible pair (bf16 eager on CPU)
@@ -377,13 +463,16 @@ def calibrate(
         cache = CalibrationCache(
             cache_root,
             {**machine_identity(device), "model": model_name, "hf_dir": str(hf_dir),
-             "ks": list(CALIBRATION_KS), "kv": CALIBRATION_KV},
+             "gguf": str(gguf_path or ""), "ks": list(CALIBRATION_KS), "kv": CALIBRATION_KV,
+             "fidelity_tokens": CALIBRATION_FIDELITY_TOKENS},
         )
     kept: dict[str, object] = {}
 
     available = available_memory_bytes()
     checkpoint = checkpoint_bytes(hf_dir)  # float32 safetensors on disk
-    fitting = [p for p in pairs if not available or checkpoint * _BYTES[p[0]] / 4 * 1.15 < available]
+    # the quantized backends load the float32 checkpoint before replacing its linear layers
+    fitting = [p for p in pairs if not available
+               or checkpoint * (4 if p[1] in QUANT_BACKENDS else _BYTES[p[0]]) / 4 * 1.15 < available]
     if len(fitting) < len(pairs):
         log(logger, logging.WARNING, "pairs skipped: the model would not fit this process's memory",
             skipped=[pair_key(p) for p in pairs if p not in fitting], available_gb=round(available / 2**30, 1))
@@ -392,17 +481,46 @@ def calibrate(
                              f"(the float32 checkpoint is {checkpoint / 2**30:.1f} GiB)")
         pairs = fitting
 
-    def measure_pair(pair: Pair) -> Curve:
+    fidelity_needed = len(pairs) > 1 and any(p[1] in QUANT_BACKENDS for p in pairs)
+    reference: dict[str, object] = {}
+
+    def ensure_reference(model: "torch.nn.Module | None") -> None:
+        """Reference log-probs of the fidelity sample from float32/eager
+        (``model`` when it is that pair, else loaded for it)."""
+        if reference:
+            return
+        from transformers import AutoTokenizer
+
+        from target_service import fidelity
+
+        ids, digest = fidelity.corpus_ids(AutoTokenizer.from_pretrained(str(hf_dir)), CALIBRATION_FIDELITY_TOKENS)
+        ref_model = model if model is not None else load_model(hf_dir, parse_dtype("float32"), "eager", device, model_name)
+        reference["ids"], reference["digest"] = ids, digest
+        reference["logprobs"] = fidelity.reference_logprobs(fidelity.model_forward(ref_model), ids, len(ids))
+        del ref_model
+
+    def measure_pair(pair: Pair) -> Measured:
         kept.clear()
         gc.collect()
-        model = load_model(hf_dir, parse_dtype(pair[0]), pair[1], device, model_name)
+        fid = None
+        if fidelity_needed and pair != ("float32", "eager"):
+            ensure_reference(None)
+        model = load_model(hf_dir, parse_dtype(pair[0]), pair[1], device, model_name, gguf_path)
         curve = measure_forward_curve(model, device, CALIBRATION_KS, CALIBRATION_KV, budget_s)
-        log(logger, logging.INFO, "calibrated target", dtype=pair[0], backend=pair[1],
-            **{f"k{k}_ms": round(v, 1) for k, v in curve.items()})
-        kept["pair"], kept["model"] = pair, model
-        return curve
+        if fidelity_needed:
+            from target_service import fidelity
 
-    result = choose(pairs, measure_pair, cache)
+            ensure_reference(model if pair == ("float32", "eager") else None)
+            ids = reference["ids"]
+            fid = fidelity.compare(fidelity.model_forward(model), ids, reference["logprobs"],  # type: ignore[arg-type]
+                                   len(ids), str(reference["digest"])).to_dict()  # type: ignore[arg-type]
+        log(logger, logging.INFO, "calibrated target", dtype=pair[0], backend=pair[1],
+            **{f"k{k}_ms": round(v, 1) for k, v in curve.items()},
+            **({"mean_kl": fid["mean_kl"], "top1": fid["top1_agreement"]} if fid else {}))
+        kept["pair"], kept["model"] = pair, model
+        return curve, fid
+
+    result = choose(pairs, measure_pair, cache, fidelity_needed)
     result.chosen_by = how
     model = kept.get("model") if kept.get("pair") == (result.dtype, result.backend) else None
     kept.clear()

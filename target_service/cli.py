@@ -25,9 +25,17 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "") -> FlagSet:
           help="target model spec: built-in name, .gguf file, local HF dir or hub id")
     f.add("dtype", dest="target_dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
           help="target dtype; auto = calibrated at start-up on CPU (bf16 on CUDA)")
-    f.add("backend", dest="target_backend", default="auto", choices=["auto", "eager", "packed", "bf16w"],
+    f.add("backend", dest="target_backend", default="auto",
+          choices=["auto", "eager", "packed", "bf16w", "kquant", "int4", "int4-q8"],
           help="target compute backend: eager; packed (every linear prepacked for oneDNN, CPU); "
-               "bf16w (bfloat16 linear weights, float32 activations, AVX2 kernel); auto = calibrated at start-up")
+               "bf16w (bfloat16 linear weights, float32 activations, AVX2 kernel); "
+               "kquant (the GGUF's own Q4_K/Q6_K codes, bf16 activations, our kernel; CPU); "
+               "int4 (Q4_K on torch's int4 kernel, 6-bit tensors bf16); "
+               "int4-q8 (LOSSY: int4 with 6-bit tensors requantized to int8); auto = calibrated at start-up "
+               "(a quantized pair only within the fidelity bound, docs/benchmarks.md)")
+    f.add("gguf", dest="target_gguf", default=None,
+          help="the GGUF a local HF model directory was converted from: the quantized backends read its "
+               "blocks (a built-in name or a .gguf model spec finds its own file)")
     f.add("calibrate", dest="target_calibrate", default="on", choices=["on", "off"],
           help="time the target's forward cost t(k) at start-up (cached per machine and model); "
                "off with dtype/backend auto takes bf16 eager untimed")
@@ -70,7 +78,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> TargetServiceConfig:
     as the user typed it."""
     cfg = TargetServiceConfig(
         model=a.target_model, host=a.host, port=port, dtype=a.target_dtype, device=a.target_device,
-        backend=a.target_backend, calibrate=a.target_calibrate == "on",
+        backend=a.target_backend, gguf=a.target_gguf, calibrate=a.target_calibrate == "on",
         threads=a.target_threads, cache_dir=a.cache_dir, kv_budget_tokens=a.target_kv_budget,
         metrics_port=a.metrics_port, metrics_host=a.metrics_host, health_port=a.health_port,
         tls=server_tls(a),
@@ -92,7 +100,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> TargetServiceConfig:
     from target_service.loading import pick_device
 
     try:  # a pair this machine cannot run stops here, with one line, before anything loads
-        resolve_pairs(cfg.dtype, cfg.backend, pick_device(cfg.device))
+        resolve_pairs(cfg.dtype, cfg.backend, pick_device(cfg.device), need_file=False)
     except ValueError as e:
         raise cli_error(str(e)) from None
     return cfg

@@ -20,7 +20,10 @@ class TargetServiceConfig:
     # (dtype, backend) pair with the best expected throughput under AUTO, on
     # CUDA bf16 (fp16 where bf16 is unsupported). Explicit values win.
     dtype: str = "auto"  # auto | bfloat16 | float32 | float16
-    backend: str = "auto"  # auto | eager | packed (oneDNN-prepacked linears, CPU)
+    backend: str = "auto"  # auto | eager | packed | bf16w | kquant | int4 | int4-q8 (target_service/backends.py)
+    # the GGUF a local HF model directory was converted from, for the
+    # quantized backends (a built-in or a .gguf spec finds its own file)
+    gguf: str | None = None
     calibrate: bool = True  # time t(k) at start-up (cached per machine and model)
     calibration_budget_s: float = 30.0  # per pair; past it each remaining k is timed once
     device: str = "auto"  # auto | cpu | cuda | cuda:N

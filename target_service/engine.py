@@ -83,16 +83,18 @@ class TargetEngine:
         model_name: str | None = None,
         backend: str = "eager",
         model: torch.nn.Module | None = None,
+        gguf_path: Path | None = None,
     ) -> None:
         """``model``: an already loaded and converted model for (dtype,
         backend) on ``device`` (start-up calibration hands over the one it
-        measured last); None loads it from ``hf_dir``."""
+        measured last); None loads it from ``hf_dir`` (and, for the
+        quantized backends, its linear layers from ``gguf_path``)."""
         self.device = pick_device(device)
         self.dtype = parse_dtype(dtype)
         self.backend = backend
         set_threads(self.device, threads)
         if model is None:
-            model = load_model(hf_dir, self.dtype, backend, self.device, model_name)
+            model = load_model(hf_dir, self.dtype, backend, self.device, model_name, gguf_path)
         self.model = model
         cfg = self.model.config
         self.model_name = model_name or Path(hf_dir).name

@@ -44,17 +44,19 @@ def set_threads(device: torch.device, threads: int) -> None:
 
 
 def load_model(
-    hf_dir: Path, dtype: torch.dtype, backend: str, device: torch.device, name: str | None = None
+    hf_dir: Path, dtype: torch.dtype, backend: str, device: torch.device, name: str | None = None,
+    gguf_path: Path | None = None,
 ) -> torch.nn.Module:
     """Loads the target in ``dtype`` onto ``device`` and converts it for
-    ``backend`` (target_service.backends)."""
+    ``backend`` (target_service.backends; the quantized backends build the
+    linear layers from ``gguf_path``)."""
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=load_dtype(dtype, backend))
     model.to(device)
     model.eval()
     load_s = time.perf_counter() - t0
     with torch.inference_mode():
-        model = apply_backend(model, backend, dtype, device)
+        model = apply_backend(model, backend, dtype, device, gguf_path)
     if device.type == "cpu":
         from target_service.attention import use_packed_gqa
 

@@ -40,6 +40,14 @@ def _cost_points(curve: dict[int, float]) -> list[common_pb2.CostPoint]:
     return [common_pb2.CostPoint(tokens=k, ms=ms) for k, ms in sorted(curve.items())]
 
 
+def _fidelity(f: dict[str, object] | None) -> common_pb2.Fidelity | None:
+    if not f:
+        return None
+    return common_pb2.Fidelity(positions=int(f["positions"]), mean_kl=float(f["mean_kl"]),  # type: ignore[arg-type]
+                               p99_kl=float(f["p99_kl"]), max_kl=float(f["max_kl"]),  # type: ignore[arg-type]
+                               top1_agreement=float(f["top1_agreement"]), corpus=str(f.get("corpus", "")))  # type: ignore[arg-type]
+
+
 def _sparse_q(msgs: object) -> list[SparseQ | None]:
     return [
         (np.asarray(m.token_ids, dtype=np.int64), np.asarray(m.probs, dtype=np.float32))  # type: ignore[attr-defined]
@@ -110,10 +118,12 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             calibrated=[
                 common_pb2.CalibratedPair(
                     dtype=key.split("/")[0], backend=key.split("/")[1], forward_cost=_cost_points(curve),
-                    score_tokens_per_s=cal.scores.get(key, 0.0),
+                    score_tokens_per_s=cal.scores.get(key, 0.0), fidelity=_fidelity(cal.fidelity.get(key)),
+                    admissible=key not in cal.excluded,
                 )
                 for key, curve in (cal.curves.items() if cal else ())
             ],
+            fidelity=_fidelity(cal.fidelity.get(f"{cal.dtype}/{cal.backend}") if cal else None),
         )
 
     @translate_errors
@@ -274,17 +284,19 @@ def load_engine(config: TargetServiceConfig) -> tuple[TargetEngine, str, Calibra
 
     cache_dir = Path(config.cache_dir or default_cache_dir())
     resolved = resolve(config.model, cache_dir)
+    gguf_path = resolved.gguf_path or (Path(config.gguf) if config.gguf else None)
     device = pick_device(config.device)
     set_threads(device, config.threads)
     calibration, model = calibrate(
         resolved.hf_dir, config.dtype, config.backend, device, cache_dir / "calibration", resolved.name,
-        measure=config.calibrate, budget_s=config.calibration_budget_s,
+        measure=config.calibrate, budget_s=config.calibration_budget_s, gguf_path=gguf_path,
     )
     engine = TargetEngine(
         resolved.hf_dir,
         dtype=calibration.dtype,
         backend=calibration.backend,
         model=model,
+        gguf_path=gguf_path,
         device=config.device,
         threads=config.threads,
         max_sessions=config.max_sessions,

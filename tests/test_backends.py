@@ -169,7 +169,7 @@ def test_measured_curve_is_a_real_timing_of_the_model(tiny_models) -> None:  # t
 def test_a_backend_that_measures_slower_is_not_chosen_and_results_are_cached(tiny_models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     measured: list[tuple[str, str]] = []
 
-    def measure(pair: tuple[str, str]) -> dict[int, float]:
+    def measure(pair: tuple[str, str]) -> tuple[dict[int, float], None]:
         measured.append(pair)
         model = load_model(tiny_models.target, getattr(torch, pair[0]), "eager", torch.device("cpu"))
         real = model.forward
@@ -178,7 +178,7 @@ def test_a_backend_that_measures_slower_is_not_chosen_and_results_are_cached(tin
                 time.sleep(0.01)
                 return real(*args, **kwargs)
             model.forward = slowed  # type: ignore[method-assign]
-        return measure_forward_curve(model, torch.device("cpu"), cal.CALIBRATION_KS, kv_tokens=16)
+        return measure_forward_curve(model, torch.device("cpu"), cal.CALIBRATION_KS, kv_tokens=16), None
 
     pairs = [("float32", "eager"), ("bfloat16", "eager")]
     cache = cal.CalibrationCache(tmp_path, {"cpu": "test", "model": "tiny"})

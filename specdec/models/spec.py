@@ -119,13 +119,16 @@ class ResolvedModel:
 
     ``source`` is one of ``builtin``, ``gguf``, ``local``, ``hub``. ``sha256`` is
     the SHA-256 of the GGUF the directory was converted from (``None`` for local
-    and hub models).
+    and hub models). ``gguf_path`` is that GGUF when it is still on disk and
+    verified: the quantized target backends (``kquant``, ``int4``) build their
+    linear layers from its blocks.
     """
 
     name: str
     hf_dir: Path
     source: str
     sha256: str | None
+    gguf_path: Path | None = None
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self, drafter: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "max_context_tokens", "dtype", "device", "tokenizer_fingerprint", "drafter", "backend", "numerics_chosen_by", "cpu_isa", "forward_cost", "calibrated", "drafters")
+    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "max_context_tokens", "dtype", "device", "tokenizer_fingerprint", "drafter", "backend", "numerics_chosen_by", "cpu_isa", "forward_cost", "calibrated", "drafters", "fidelity")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class ModelInfo(_message.Message):
     FORWARD_COST_FIELD_NUMBER: _ClassVar[int]
     CALIBRATED_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    FIDELITY_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -74,7 +75,24 @@ class ModelInfo(_message.Message):
     forward_cost: _containers.RepeatedCompositeFieldContainer[CostPoint]
     calibrated: _containers.RepeatedCompositeFieldContainer[CalibratedPair]
     drafters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., drafter: _Optional[str] = ..., backend: _Optional[str] = ..., numerics_chosen_by: _Optional[str] = ..., cpu_isa: _Optional[str] = ..., forward_cost: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., calibrated: _Optional[_Iterable[_Union[CalibratedPair, _Mapping]]] = ..., drafters: _Optional[_Iterable[str]] = ...) -> None: ...
+    fidelity: Fidelity
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., drafter: _Optional[str] = ..., backend: _Optional[str] = ..., numerics_chosen_by: _Optional[str] = ..., cpu_isa: _Optional[str] = ..., forward_cost: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., calibrated: _Optional[_Iterable[_Union[CalibratedPair, _Mapping]]] = ..., drafters: _Optional[_Iterable[str]] = ..., fidelity: _Optional[_Union[Fidelity, _Mapping]] = ...) -> None: ...
+
+class Fidelity(_message.Message):
+    __slots__ = ("positions", "mean_kl", "p99_kl", "max_kl", "top1_agreement", "corpus")
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_KL_FIELD_NUMBER: _ClassVar[int]
+    P99_KL_FIELD_NUMBER: _ClassVar[int]
+    MAX_KL_FIELD_NUMBER: _ClassVar[int]
+    TOP1_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    CORPUS_FIELD_NUMBER: _ClassVar[int]
+    positions: int
+    mean_kl: float
+    p99_kl: float
+    max_kl: float
+    top1_agreement: float
+    corpus: str
+    def __init__(self, positions: _Optional[int] = ..., mean_kl: _Optional[float] = ..., p99_kl: _Optional[float] = ..., max_kl: _Optional[float] = ..., top1_agreement: _Optional[float] = ..., corpus: _Optional[str] = ...) -> None: ...
 
 class CostPoint(_message.Message):
     __slots__ = ("tokens", "ms")
@@ -85,16 +103,20 @@ class CostPoint(_message.Message):
     def __init__(self, tokens: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
 
 class CalibratedPair(_message.Message):
-    __slots__ = ("dtype", "backend", "forward_cost", "score_tokens_per_s")
+    __slots__ = ("dtype", "backend", "forward_cost", "score_tokens_per_s", "fidelity", "admissible")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     FORWARD_COST_FIELD_NUMBER: _ClassVar[int]
     SCORE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    FIDELITY_FIELD_NUMBER: _ClassVar[int]
+    ADMISSIBLE_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     backend: str
     forward_cost: _containers.RepeatedCompositeFieldContainer[CostPoint]
     score_tokens_per_s: float
-    def __init__(self, dtype: _Optional[str] = ..., backend: _Optional[str] = ..., forward_cost: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., score_tokens_per_s: _Optional[float] = ...) -> None: ...
+    fidelity: Fidelity
+    admissible: bool
+    def __init__(self, dtype: _Optional[str] = ..., backend: _Optional[str] = ..., forward_cost: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., score_tokens_per_s: _Optional[float] = ..., fidelity: _Optional[_Union[Fidelity, _Mapping]] = ..., admissible: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

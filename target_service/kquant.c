@@ -1,0 +1,524 @@
+/* kquant: y = x · Wᵀ (+ b) with W held in the GGUF's own K-quant codes
+   (Q4_K, Q6_K), x rounded to bfloat16, products and sums in float32.
+   Loaded by target_service/kquant.py; the layout and the numerics are
+   described there. Two paths, chosen at build time:
+
+   KQ_AVX512 (AVX-512 F/BW + AVX512_BF16): 16 lanes; each lane covers 16
+   consecutive weights of a 256-weight super-block (lane l: k = 16l .. 16l+15),
+   as pairs (k, k+1) for vdpbf16ps. Register p (0..7) of a super-block holds,
+   in lane l, the pair k = 16l + 2p, 16l + 2p + 1. The activations are
+   permuted into the same order once per call.
+
+   KQ_AVX2 (AVX2 + FMA): 8 float32 lanes, weights widened to float32 and
+   multiplied with FMA, two registers side by side covering the same 16 lanes
+   (see the AVX2 section).
+
+   Every output y[m][n] is the same sequence of float32 operations whatever
+   the number of rows M, the tile that computes it or the thread: per
+   super-block a fresh dot product over its eight registers in order, one
+   scale FMA (and one min FMA for Q4_K) into the row's accumulator, then a
+   fixed horizontal sum and the bias. */
+
+#include <immintrin.h>
+#include <x86intrin.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define KQ_Q4K 0
+#define KQ_Q6K 1
+
+/* bytes of one row's super-block in the packed weights */
+#define BLOCK_Q4K (128 + 24)
+#define BLOCK_Q6K (128 + 64 + 20)
+
+/* per super-block metadata, repacked at load (see kquant.py)
+   Q4_K: float d, dmin; uint8 sc[8], m[8]            (24 bytes)
+   Q6_K: float d; int8 sc[16]                          (20 bytes) */
+typedef struct { float d, dmin; uint8_t sc[8]; uint8_t m[8]; } meta4_t;
+typedef struct { float d; int8_t sc[16]; } meta6_t;
+
+typedef struct {
+    int kind;
+    int64_t M, K, N;
+    const uint8_t* w;    /* [N/8][K/256][8 rows][block]: a block is 128 bytes of 4-bit codes (two
+                            registers per 32 bytes), Q6_K: 64 bytes of 2-bit high parts (four
+                            registers per 32 bytes), then its meta4_t / meta6_t */
+    const float* bias;   /* [N] or NULL */
+    const void* xp;      /* permuted activations: AVX-512: bf16 [M][K]; AVX2: float [M][K] */
+    const float* xsum;   /* [M][K/16]: sums of the bf16-rounded x over each lane's 16 weights */
+    float* y;            /* [M][N] */
+} job_t;
+
+static inline uint16_t f32_to_bf16(float f) {
+    /* round to nearest even, as vcvtneps2bf16 (NaN kept quiet) */
+    union { float f; uint32_t u; } v = { f };
+    if ((v.u & 0x7fffffff) > 0x7f800000) return (uint16_t)((v.u >> 16) | 0x40);
+    uint32_t r = 0x7fff + ((v.u >> 16) & 1);
+    return (uint16_t)((v.u + r) >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = ((uint32_t)h) << 16;
+    return v.f;
+}
+
+/* ------------------------------------------------------------------ AVX-512 */
+#ifdef KQ_AVX512
+
+/* activations for the kernel: xp[m][b*256 + p*32 + 2l + j] = bf16(x[m][b*256 + 16l + 2p + j]) */
+static void prepare_x(const float* x, int64_t M, int64_t K, uint16_t* xp, float* xsum) {
+    for (int64_t m = 0; m < M; m++) {
+        const float* xr = x + m * K;
+        uint16_t* dst = xp + m * K;
+        float* xs = xsum + m * (K / 16);
+        for (int64_t b = 0; b < K / 256; b++) {
+            uint16_t blk[256];
+            for (int t = 0; t < 256; t++) blk[t] = f32_to_bf16(xr[b * 256 + t]);
+            for (int l = 0; l < 16; l++) {
+                float s = 0.0f;
+                for (int t = 0; t < 16; t++) s += bf16_to_f32(blk[16 * l + t]);
+                xs[b * 16 + l] = s;
+            }
+            for (int p = 0; p < 8; p++)
+                for (int l = 0; l < 16; l++)
+                    for (int j = 0; j < 2; j++)
+                        dst[b * 256 + p * 32 + 2 * l + j] = blk[16 * l + 2 * p + j];
+        }
+    }
+}
+
+static void init_luts(void) {}
+
+/* registers 2pp and 2pp + 1 of one super-block, as bf16 of 128 + q: a code
+   q < 128 under the exponent of 128 is the bf16 number 128 + q exactly
+   (0x4300 | q), so one bitwise operation widens it, with no table. The
+   offset is taken out with the lane's input sum: Σ q·x = Σ (128 + q)·x −
+   128·Σ x (the sums lose about 4 of float32's 24 bits to the offset, far
+   below the bf16 rounding of x). */
+static inline void decode_pair(int kind, const uint8_t* lo, const uint8_t* hi, int pp, __m512i* w0, __m512i* w1) {
+    const __m512i m0f = _mm512_set1_epi16(0x000f);
+    const __m512i e128 = _mm512_set1_epi16(0x4300);
+    __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(lo + pp * 32)));
+    /* (A & B) | C = 0xEA */
+    __m512i c0 = _mm512_ternarylogic_epi32(v, m0f, e128, 0xEA);
+    __m512i c1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), m0f, e128, 0xEA);
+    if (kind == KQ_Q6K) {
+        /* the high 2 bits of registers 4(pp/2) .. 4(pp/2) + 3 share 32 bytes,
+           fields 2j (bits 2j, 2j + 1); ours are j = 2(pp % 2) and 2(pp % 2) + 1,
+           moved to bits 4-5: A | (B & C) = 0xF8 */
+        const __m512i m30 = _mm512_set1_epi16(0x0030);
+        __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(hi + (pp >> 1) * 32)));
+        __m512i h0 = (pp & 1) ? h : _mm512_slli_epi16(h, 4);
+        __m512i h1 = (pp & 1) ? _mm512_srli_epi16(h, 2) : _mm512_slli_epi16(h, 2);
+        c0 = _mm512_ternarylogic_epi32(c0, h0, m30, 0xF8);
+        c1 = _mm512_ternarylogic_epi32(c1, h1, m30, 0xF8);
+    }
+    *w0 = c0;
+    *w1 = c1;
+}
+
+/* lane l: S = d * sc[l/2] and, in *mins, what multiplies the lane's input
+   sum: 128·S (the code offset) + dmin * m[l/2] */
+static inline __m512 scales_q4(const meta4_t* mt, __m512* mins) {
+    const __m128i idx = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    __m128i sc = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i*)mt->sc), idx);
+    __m128i mn = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i*)mt->m), idx);
+    const __m512 s = _mm512_mul_ps(_mm512_set1_ps(mt->d), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+    const __m512 m = _mm512_mul_ps(_mm512_set1_ps(mt->dmin), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
+    *mins = _mm512_fmadd_ps(_mm512_set1_ps(128.0f), s, m);
+    return s;
+}
+
+/* lane l: S = d * sc[l] and, in *mins, 160·S (the offset 128 and Q6_K's 32) */
+static inline __m512 scales_q6(const meta6_t* mt, __m512* mins) {
+    __m128i sc = _mm_loadu_si128((const __m128i*)mt->sc);
+    const __m512 s = _mm512_mul_ps(_mm512_set1_ps(mt->d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+    *mins = _mm512_mul_ps(_mm512_set1_ps(160.0f), s);
+    return s;
+}
+
+/* one tile: the 8 weight rows of one group (rows n .. n + 7, n a multiple
+   of 8) x MB activation rows over all of K, reading the group's blocks as one
+   stream. Per super-block and output: two dot products in float32 lanes, over
+   the even and the odd registers (in order), added; times the lane scales
+   into the accumulator, minus the offsets (and Q4_K's mins) times the lane
+   input sums. Within a super-block the rows go NR at a time, their chains
+   interleaved register pair by register pair, so the multiply-adds of
+   different outputs overlap instead of waiting on each other's latency.
+   KIND, NR and MB are constants in every instance. */
+static inline __attribute__((always_inline)) void tile_body(const job_t* j, int64_t n, int64_t m0,
+                                                            const int KIND, const int NR, const int MB) {
+    const int64_t KB = j->K / 256;
+    const int64_t KS = j->K / 16;
+    const int64_t BS = KIND == KQ_Q4K ? BLOCK_Q4K : BLOCK_Q6K;
+    __m512 acc[8][MB];
+    for (int r = 0; r < 8; r++)
+        for (int i = 0; i < MB; i++) acc[r][i] = _mm512_setzero_ps();
+    const uint16_t* xb = (const uint16_t*)j->xp + m0 * j->K;
+    const float* xs = j->xsum + m0 * KS;
+    const uint8_t* grp = j->w + (n / 8) * KB * 8 * BS;
+    for (int64_t b = 0; b < KB; b++) {
+        const uint8_t* blk = grp + b * 8 * BS;
+        for (int64_t off = 0; off < 8 * BS; off += 64)
+            _mm_prefetch((const char*)(blk + 4 * 8 * BS + off), _MM_HINT_T0);
+        for (int r0 = 0; r0 < 8; r0 += NR) {
+            __m512 da[NR][MB], db[NR][MB];
+#pragma GCC unroll 8
+            for (int r = 0; r < NR; r++)
+#pragma GCC unroll 8
+                for (int i = 0; i < MB; i++) da[r][i] = db[r][i] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+            for (int pp = 0; pp < 4; pp++) {
+#pragma GCC unroll 8
+                for (int r = 0; r < NR; r++) {
+                    const uint8_t* rb = blk + (r0 + r) * BS;
+                    __m512i w0, w1;
+                    decode_pair(KIND, rb, rb + 128, pp, &w0, &w1);
+#pragma GCC unroll 8
+                    for (int i = 0; i < MB; i++) {
+                        const uint16_t* xr = xb + i * j->K + b * 256 + pp * 64;
+                        da[r][i] = _mm512_dpbf16_ps(da[r][i], (__m512bh)w0, (__m512bh)_mm512_loadu_si512(xr));
+                        db[r][i] = _mm512_dpbf16_ps(db[r][i], (__m512bh)w1, (__m512bh)_mm512_loadu_si512(xr + 32));
+                    }
+                }
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < NR; r++) {
+                const uint8_t* rb = blk + (r0 + r) * BS;
+                __m512 s, mn;
+                if (KIND == KQ_Q4K) s = scales_q4((const meta4_t*)(rb + 128), &mn);
+                else s = scales_q6((const meta6_t*)(rb + 192), &mn);
+#pragma GCC unroll 8
+                for (int i = 0; i < MB; i++) {
+                    __m512 a = _mm512_fmadd_ps(s, _mm512_add_ps(da[r][i], db[r][i]), acc[r0 + r][i]);
+                    acc[r0 + r][i] = _mm512_fnmadd_ps(mn, _mm512_loadu_ps(xs + i * KS + b * 16), a);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < 8 && n + r < j->N; r++)
+        for (int i = 0; i < MB; i++) {
+            float v = _mm512_reduce_add_ps(acc[r][i]);
+            if (j->bias) v += j->bias[n + r];
+            j->y[(m0 + i) * j->N + n + r] = v;
+        }
+}
+
+/* rows per chain group for MB activation rows (16 chains or fewer) */
+#define TILE(MB, NR)                                                                     \
+static void tile_##MB(const job_t* j, int64_t n, int64_t m0) {                          \
+    if (j->kind == KQ_Q4K) tile_body(j, n, m0, KQ_Q4K, NR, MB);                          \
+    else tile_body(j, n, m0, KQ_Q6K, NR, MB);                                            \
+}
+
+#else  /* ------------------------------------------------------------- AVX2 */
+
+/* AVX2 layout: 8 float32 lanes; register (t, h) of a super-block (t = 0..15,
+   h = 0..1) holds, in lane l, the weight k = 16 (8h + l) + t: lane L = 8h + l
+   covers the same 16 weights as the AVX-512 lane L. The activations are
+   permuted the same way: xp[m][b*256 + t*16 + h*8 + l] = bf16(x[m][b*256 + 16(8h+l) + t]),
+   kept as float32. */
+static void prepare_x(const float* x, int64_t M, int64_t K, float* xp, float* xsum) {
+    for (int64_t m = 0; m < M; m++) {
+        const float* xr = x + m * K;
+        float* dst = xp + m * K;
+        float* xs = xsum + m * (K / 16);
+        for (int64_t b = 0; b < K / 256; b++) {
+            float blk[256];
+            for (int t = 0; t < 256; t++) blk[t] = bf16_to_f32(f32_to_bf16(xr[b * 256 + t]));
+            for (int L = 0; L < 16; L++) {
+                float s = 0.0f;
+                for (int t = 0; t < 16; t++) s += blk[16 * L + t];
+                xs[b * 16 + L] = s;
+            }
+            for (int t = 0; t < 16; t++)
+                for (int L = 0; L < 16; L++) dst[b * 256 + t * 16 + L] = blk[16 * L + t];
+        }
+    }
+}
+
+static void init_luts(void) {}
+
+/* codes of registers (t, h) and (t + 1, h), t even: 8 bytes, low and high nibbles */
+static inline void codes_lo(const uint8_t* lo, int t, int h, __m256i* a, __m256i* b) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(lo + ((t >> 1) * 2 + h) * 8)));
+    *a = _mm256_and_si256(v, _mm256_set1_epi32(15));
+    *b = _mm256_and_si256(_mm256_srli_epi32(v, 4), _mm256_set1_epi32(15));
+}
+
+/* the high 2 bits of registers (t .. t + 3, h), t a multiple of 4, at bits 4-5 */
+static inline void codes_hi(const uint8_t* hi, int t, int h, __m256i out[4]) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(hi + ((t >> 2) * 2 + h) * 8)));
+    const __m256i m30 = _mm256_set1_epi32(0x30);
+    out[0] = _mm256_and_si256(_mm256_slli_epi32(v, 4), m30);
+    out[1] = _mm256_and_si256(_mm256_slli_epi32(v, 2), m30);
+    out[2] = _mm256_and_si256(v, m30);
+    out[3] = _mm256_and_si256(_mm256_srli_epi32(v, 2), m30);
+}
+
+static inline void scales_avx2(int kind, const uint8_t* meta, __m256 s[2], __m256 mn[2]) {
+    if (kind == KQ_Q4K) {
+        const meta4_t* mt = (const meta4_t*)meta;
+        const __m128i idx = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        __m128i sc = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i*)mt->sc), idx);
+        __m128i m = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i*)mt->m), idx);
+        for (int h = 0; h < 2; h++) {
+            __m128i sh = h ? _mm_srli_si128(sc, 8) : sc, mh = h ? _mm_srli_si128(m, 8) : m;
+            s[h] = _mm256_mul_ps(_mm256_set1_ps(mt->d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sh)));
+            mn[h] = _mm256_mul_ps(_mm256_set1_ps(mt->dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mh)));
+        }
+    } else {
+        const meta6_t* mt = (const meta6_t*)meta;
+        __m128i sc = _mm_loadu_si128((const __m128i*)mt->sc);
+        for (int h = 0; h < 2; h++) {
+            __m128i sh = h ? _mm_srli_si128(sc, 8) : sc;
+            s[h] = _mm256_mul_ps(_mm256_set1_ps(mt->d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sh)));
+            mn[h] = _mm256_setzero_ps();
+        }
+    }
+}
+
+/* one tile: the 8 weight rows of one group x MB activation rows, as the
+   AVX-512 tile; per super-block and output the lanes L < 8 and L >= 8 (h = 0,
+   1) are two registers, each a dot product over t = 0..15 in order, times its
+   lane scales into its accumulator (minus offsets and mins as above); the two
+   accumulators are added at the end. */
+static inline __attribute__((always_inline)) void tile_body(const job_t* j, int64_t n, int64_t m0,
+                                                            const int KIND, const int NR, const int MB) {
+    const int64_t KB = j->K / 256;
+    const int64_t KS = j->K / 16;
+    const int64_t BS = KIND == KQ_Q4K ? BLOCK_Q4K : BLOCK_Q6K;
+    const __m256i off32 = _mm256_set1_epi32(32);
+    __m256 acc[8][MB][2];
+    for (int r = 0; r < 8; r++)
+        for (int i = 0; i < MB; i++) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_ps();
+    const float* xb = (const float*)j->xp + m0 * j->K;
+    const float* xs = j->xsum + m0 * KS;
+    const uint8_t* grp = j->w + (n / 8) * KB * 8 * BS;
+    for (int64_t b = 0; b < KB; b++) {
+        const uint8_t* blk = grp + b * 8 * BS;
+        for (int64_t off = 0; off < 8 * BS; off += 64)
+            _mm_prefetch((const char*)(blk + 4 * 8 * BS + off), _MM_HINT_T0);
+        for (int r0 = 0; r0 < 8; r0 += NR) {
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                __m256 dot[NR][MB];
+#pragma GCC unroll 8
+                for (int r = 0; r < NR; r++)
+#pragma GCC unroll 8
+                    for (int i = 0; i < MB; i++) dot[r][i] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+                for (int t = 0; t < 16; t += 2) {
+#pragma GCC unroll 8
+                    for (int r = 0; r < NR; r++) {
+                        const uint8_t* rb = blk + (r0 + r) * BS;
+                        __m256i c[2];
+                        codes_lo(rb, t, h, &c[0], &c[1]);
+                        if (KIND == KQ_Q6K) {
+                            __m256i hb[4];
+                            codes_hi(rb + 128, t & ~3, h, hb);
+                            c[0] = _mm256_sub_epi32(_mm256_or_si256(c[0], hb[t & 3]), off32);
+                            c[1] = _mm256_sub_epi32(_mm256_or_si256(c[1], hb[(t & 3) + 1]), off32);
+                        }
+#pragma GCC unroll 2
+                        for (int u = 0; u < 2; u++) {
+                            const __m256 wv = _mm256_cvtepi32_ps(c[u]);
+#pragma GCC unroll 8
+                            for (int i = 0; i < MB; i++)
+                                dot[r][i] = _mm256_fmadd_ps(
+                                    wv, _mm256_loadu_ps(xb + i * j->K + b * 256 + (t + u) * 16 + h * 8), dot[r][i]);
+                        }
+                    }
+                }
+#pragma GCC unroll 8
+                for (int r = 0; r < NR; r++) {
+                    const uint8_t* rb = blk + (r0 + r) * BS;
+                    __m256 s[2], mn[2];
+                    scales_avx2(KIND, rb + (KIND == KQ_Q4K ? 128 : 192), s, mn);
+#pragma GCC unroll 8
+                    for (int i = 0; i < MB; i++) {
+                        acc[r0 + r][i][h] = _mm256_fmadd_ps(s[h], dot[r][i], acc[r0 + r][i][h]);
+                        if (KIND == KQ_Q4K)
+                            acc[r0 + r][i][h] = _mm256_fnmadd_ps(
+                                mn[h], _mm256_loadu_ps(xs + i * KS + b * 16 + h * 8), acc[r0 + r][i][h]);
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < 8 && n + r < j->N; r++)
+        for (int i = 0; i < MB; i++) {
+            __m256 a = _mm256_add_ps(acc[r][i][0], acc[r][i][1]);
+            __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+            s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            s4 = _mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 0x55));
+            float v = _mm_cvtss_f32(s4);
+            if (j->bias) v += j->bias[n + r];
+            j->y[(m0 + i) * j->N + n + r] = v;
+        }
+}
+
+#define TILE(MB, NR)                                                                     \
+static void tile_##MB(const job_t* j, int64_t n, int64_t m0) {                          \
+    if (j->kind == KQ_Q4K) tile_body(j, n, m0, KQ_Q4K, NR, MB);                          \
+    else tile_body(j, n, m0, KQ_Q6K, NR, MB);                                            \
+}
+#endif
+
+#ifdef KQ_AVX512
+#define MAX_MB 8
+TILE(1, 8)
+TILE(2, 4)
+TILE(3, 2)
+TILE(4, 2)
+TILE(5, 1)
+TILE(6, 1)
+TILE(7, 1)
+TILE(8, 1)
+typedef void (*tilefn)(const job_t*, int64_t, int64_t);
+static const tilefn TILES[9] = { 0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8 };
+#else
+#define MAX_MB 4
+TILE(1, 2)
+TILE(2, 2)
+TILE(3, 1)
+TILE(4, 1)
+typedef void (*tilefn)(const job_t*, int64_t, int64_t);
+static const tilefn TILES[5] = { 0, tile_1, tile_2, tile_3, tile_4 };
+#endif
+
+/* rows [n0, n1) of the output for every activation row: weight panels of
+   PANEL rows, each passed over by every group of at most MAX_MB activation rows
+   (balanced sizes), so a prompt reads each panel from memory once */
+#define PANEL 32
+static void run_rows(const job_t* j, int64_t n0, int64_t n1) {
+    const int64_t groups = (j->M + MAX_MB - 1) / MAX_MB;
+    for (int64_t p = n0; p < n1; p += PANEL) {
+        const int64_t pe = (n1 - p) < PANEL ? n1 : p + PANEL;
+        int64_t m = 0;
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t left = j->M - m, parts = groups - g;
+            const int64_t mb = left / parts + (left % parts ? 1 : 0);
+            const tilefn f = TILES[mb];
+            for (int64_t n = p; n < pe; n += 8) f(j, n, m);
+            m += mb;
+        }
+    }
+}
+
+/* ------------------------------------------------------------- thread pool */
+#define MAX_THREADS 64
+static pthread_t workers[MAX_THREADS];
+static int nthreads = 1;               /* including the caller */
+static const job_t* volatile cur_job;
+static int64_t ranges[MAX_THREADS + 1];
+static atomic_int generation;
+static atomic_int pending;
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+/* a worker spins this many TSC ticks (about 0.1 ms) for the next call before
+   it sleeps: the linear layers of one forward pass come microseconds apart,
+   and the cores are left free between forward passes */
+#define SPIN_TICKS 300000ULL
+
+static void futex_wait(atomic_int* addr, int val) { syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0); }
+static void futex_wake(atomic_int* addr) { syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0); }
+
+static void* worker_main(void* arg) {
+    const int id = (int)(intptr_t)arg;
+    int seen = atomic_load(&generation);
+    for (;;) {
+        int g;
+        unsigned long long t0 = __rdtsc();
+        while ((g = atomic_load_explicit(&generation, memory_order_acquire)) == seen) {
+            if (__rdtsc() - t0 < SPIN_TICKS) {
+                _mm_pause();
+            } else {
+                futex_wait(&generation, seen);
+                t0 = __rdtsc();
+            }
+        }
+        seen = g;
+        if (id < nthreads) {
+            const job_t* j = cur_job;
+            if (ranges[id] < ranges[id + 1]) run_rows(j, ranges[id], ranges[id + 1]);
+            atomic_fetch_sub_explicit(&pending, 1, memory_order_acq_rel);
+        }
+    }
+    return NULL;
+}
+
+static int started = 0;
+int kq_set_threads(int n) {
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    pthread_mutex_lock(&pool_mu);
+    if (!started) init_luts();
+    for (int i = started ? started : 1; i < n; i++) {
+        if (pthread_create(&workers[i], NULL, worker_main, (void*)(intptr_t)i) != 0) {
+            n = i;
+            break;
+        }
+        started = i + 1;
+    }
+    if (!started) started = 1;
+    nthreads = n;
+    pthread_mutex_unlock(&pool_mu);
+    return n;
+}
+
+/* y = x · Wᵀ (+ bias); returns 0, or 1 if scratch cannot be allocated */
+int kq_linear(int kind, const float* x, int64_t M, int64_t K, const uint8_t* w, const float* bias,
+              float* y, int64_t N) {
+    if (!started) kq_set_threads(1);
+#ifdef KQ_AVX512
+    void* xp = aligned_alloc(64, ((M * K * 2 + 63) / 64) * 64);
+#else
+    void* xp = aligned_alloc(64, ((M * K * 4 + 63) / 64) * 64);
+#endif
+    float* xsum = (float*)aligned_alloc(64, ((M * (K / 16) * 4 + 63) / 64) * 64);
+    if (!xp || !xsum) {
+        free(xp);
+        free(xsum);
+        return 1;
+    }
+    prepare_x(x, M, K, xp, xsum);
+    job_t j = { kind, M, K, N, w, bias, xp, xsum, y };
+    pthread_mutex_lock(&pool_mu);
+    const int T = nthreads;
+    /* thread ranges on multiples of 8 rows */
+    const int64_t blocks = (N + 7) / 8;
+    const int64_t per = (blocks + T - 1) / T;
+    for (int t = 0; t <= T; t++) {
+        int64_t r = (int64_t)t * per * 8;
+        ranges[t] = r < N ? r : N;
+    }
+    if (T > 1) {
+        cur_job = &j;
+        atomic_store(&pending, T - 1);
+        atomic_fetch_add_explicit(&generation, 1, memory_order_release);
+        futex_wake(&generation);
+    }
+    run_rows(&j, ranges[0], ranges[1]);
+    if (T > 1)
+        while (atomic_load_explicit(&pending, memory_order_acquire) > 0) _mm_pause();
+    pthread_mutex_unlock(&pool_mu);
+    free(xp);
+    free(xsum);
+    return 0;
+}
+
+/* 1 when built for AVX-512 BF16, 0 for AVX2 */
+int kq_isa(void) {
+#ifdef KQ_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,207 @@
+"""The ``kquant`` kernel: linear layers computed from the GGUF's own K-quant
+codes (Q4_K, Q6_K) with bfloat16 activations and float32 sums, for x86-64
+CPUs. The C source is target_service/kquant.c; this module packs the codes
+once at load time and calls the kernel through ctypes (which releases the
+GIL; the kernel splits the output rows over its own small thread pool).
+
+Why our own kernel: torch's weight-only int4 kernel
+(``_weight_int4pack_mm_for_cpu``) handles Q4_K's groups of 32, but not
+Q6_K's groups of 16 (its smallest group is 32), and its cost grows steeply
+with the rows of a pass (measured on a 2-core Zen 5: 26 ms for all of the
+1.5B target's linear layers at 1 row, 82 ms at 8), which is what a k-token
+verify needs to be cheap. oneDNN's bf16 GEMM of a dequantized copy reads
+3.5× the bytes. docs/benchmarks.md ("Quantized target") has the figures.
+
+Numerics (the same for a 1-token step, a k-token verify, a batch and a
+prompt; each output is one fixed sequence of operations whatever the rows
+beside it, the tile or the thread):
+
+- the weights are the file's: Q4_K w = (d·sc)·q − (dmin·m), Q6_K
+  w = (d·sc)·(q − 32), with d, dmin widened exactly from float16 and the
+  products d·sc, dmin·m exact in float32;
+- each input element is rounded once to bfloat16 (round to nearest even);
+- per 256-weight super-block and output, the codes times the rounded inputs
+  are summed in float32 lanes of 16 weights (AVX-512 BF16: ``vdpbf16ps``
+  over pairs; AVX2: FMA), the lane sums are multiplied by their sub-block
+  scale (and the mins times the lane's input sum subtracted) into float32
+  accumulators, which are summed in a fixed order at the end; then the bias.
+
+The AVX-512 BF16 and the AVX2 builds sum in different orders, so their
+logits differ in the last bits: a machine's numerics are named by its
+calibration (``GetModelInfo``), as for every other backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec.models.gguf_blocks import Blocks
+from target_service import cbuild
+
+KINDS = {"Q4_K": 0, "Q6_K": 1}
+_SOURCE = Path(__file__).with_name("kquant.c")
+_COMMON = ["-O3", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off", "-pthread"]
+_ISAS = {
+    "avx512bf16": ["-DKQ_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2", "-mfma"],
+    "avx2": ["-mavx2", "-mfma"],
+}
+_lock = threading.Lock()
+
+
+def isa() -> str | None:
+    """The kernel build this CPU runs (``avx512bf16`` or ``avx2``), or None."""
+    from target_service.backends import cpu_info
+
+    flags = set(cpu_info().flags)
+    if {"avx512f", "avx512_bf16"} <= flags and _has_avx512bw():
+        return "avx512bf16"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return None
+
+
+def _has_avx512bw() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512bw" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+@functools.lru_cache(maxsize=2)
+def _library(which: str | None = None) -> tuple[ctypes.CDLL | None, str]:
+    which = which or isa()
+    if which is None:
+        return None, "the CPU has neither AVX-512 BF16 nor AVX2 with FMA"
+    dll, why = cbuild.load(f"kquant-{which}", _SOURCE.read_text(), _COMMON + _ISAS[which])
+    if dll is None:
+        return None, why
+    dll.kq_linear.restype = ctypes.c_int
+    dll.kq_linear.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    dll.kq_set_threads.restype = ctypes.c_int
+    dll.kq_set_threads.argtypes = [ctypes.c_int]
+    return dll, ""
+
+
+def available() -> tuple[bool, str]:
+    lib, why = _library()
+    return lib is not None, why
+
+
+def set_threads(threads: int) -> int:
+    """Threads the kernel splits its output rows over (the caller's included)."""
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"the kquant kernel is not available: {why}")
+    return int(lib.kq_set_threads(max(1, int(threads))))
+
+
+# -------------------------------------------------------------- packing
+def _idx512() -> np.ndarray:
+    """[8, 32]: the super-block position of word i of AVX-512 register p."""
+    p, i = np.meshgrid(np.arange(8), np.arange(32), indexing="ij")
+    return 16 * (i // 2) + 2 * p + (i % 2)
+
+
+def _idx2() -> np.ndarray:
+    """[16, 2, 8]: the super-block position of lane l of AVX2 register (t, h)."""
+    t, h, lane = np.meshgrid(np.arange(16), np.arange(2), np.arange(8), indexing="ij")
+    return 16 * (8 * h + lane) + t
+
+
+def pack(b: Blocks, which: str) -> np.ndarray:
+    """The packed weights of a decoded Q4_K / Q6_K tensor for the ``which``
+    build (see kquant.c): uint8 [N/8, K/256, 8, block], each row's block the
+    4-bit codes in the build's register layout, Q6_K's high 2 bits (its 6-bit
+    codes q split into q & 15 and q >> 4), then the super-block's d (dmin)
+    and integer scales (mins)."""
+    if b.kind not in KINDS or b.d is None or b.sub_scale is None:
+        raise ValueError(f"kquant packs Q4_K and Q6_K blocks, not {b.kind}")
+    n, k = b.shape
+    kb = k // 256
+    q = b.codes.astype(np.int16)
+    if b.kind == "Q6_K":
+        q = q + 32
+    q = q.astype(np.uint8).reshape(n, kb, 256)
+    if which == "avx512bf16":
+        reg = q[:, :, _idx512()]  # [n, kb, 8, 32]
+        lo4, hi2 = reg & 15, reg >> 4
+        lo = lo4[:, :, 0::2, :] | (lo4[:, :, 1::2, :] << 4)  # [n, kb, 4, 32]
+        hi = None
+        if b.kind == "Q6_K":
+            h = hi2.reshape(n, kb, 2, 4, 32)
+            hi = h[:, :, :, 0] | (h[:, :, :, 1] << 2) | (h[:, :, :, 2] << 4) | (h[:, :, :, 3] << 6)
+    elif which == "avx2":
+        reg = q[:, :, _idx2()]  # [n, kb, 16, 2, 8]
+        lo4, hi2 = reg & 15, reg >> 4
+        lo = lo4[:, :, 0::2] | (lo4[:, :, 1::2] << 4)  # [n, kb, 8, 2, 8]
+        hi = None
+        if b.kind == "Q6_K":
+            h = hi2.reshape(n, kb, 4, 4, 2, 8)
+            hi = h[:, :, :, 0] | (h[:, :, :, 1] << 2) | (h[:, :, :, 2] << 4) | (h[:, :, :, 3] << 6)
+    else:
+        raise ValueError(f"unknown kquant build {which!r}")
+    d = b.d.astype("<f4").reshape(n, kb, 1).view(np.uint8)
+    if b.kind == "Q4_K":
+        assert b.dmin is not None and b.sub_min is not None
+        dmin = b.dmin.astype("<f4").reshape(n, kb, 1).view(np.uint8)
+        meta = np.concatenate([d, dmin, b.sub_scale.astype(np.uint8), b.sub_min.astype(np.uint8)], axis=-1)
+    else:
+        meta = np.concatenate([d, b.sub_scale.astype(np.int8).view(np.uint8)], axis=-1)
+    parts = [lo.reshape(n, kb, 128)] + ([] if hi is None else [hi.reshape(n, kb, 64)]) + [meta]
+    blocks = np.concatenate(parts, axis=-1)  # [n, kb, block bytes]
+    if n % 8:  # whole groups of 8 rows (the padding rows are computed and dropped)
+        blocks = np.concatenate([blocks, np.repeat(blocks[-1:], 8 - n % 8, axis=0)])
+    g = blocks.shape[0] // 8
+    return np.ascontiguousarray(blocks.reshape(g, 8, kb, -1).transpose(0, 2, 1, 3))
+
+
+class KQuantLinear(torch.nn.Module):
+    """An ``nn.Linear`` computed by the kquant kernel from a Q4_K or Q6_K
+    tensor's codes (float32 in, float32 out)."""
+
+    def __init__(self, blocks: Blocks, bias: torch.Tensor | None, which: str | None = None) -> None:
+        super().__init__()
+        which = which or isa()
+        if which is None:
+            raise ValueError("the kquant kernel needs AVX-512 BF16 or AVX2 with FMA")
+        self.which = which
+        self.kind = blocks.kind
+        self.out_features, self.in_features = blocks.shape
+        self.packed = torch.from_numpy(pack(blocks, which))
+        self.bias = None if bias is None else bias.detach().float().contiguous().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib, why = _library(self.which)
+        if lib is None:
+            raise RuntimeError(f"the kquant kernel is not available: {why}")
+        k, n = self.in_features, self.out_features
+        x2 = x.reshape(-1, k)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        x2 = x2.contiguous()
+        m = x2.shape[0]
+        y = torch.empty((m, n), dtype=torch.float32)
+        rc = lib.kq_linear(KINDS[self.kind], x2.data_ptr(), m, k, self.packed.data_ptr(),
+                           None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), n)
+        if rc != 0:
+            raise MemoryError("kquant kernel: scratch allocation failed")
+        return y.reshape(*x.shape[:-1], n)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weights={self.kind} codes, activations=bf16, sums=fp32 ({self.which})")

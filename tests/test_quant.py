@@ -1,0 +1,333 @@
+"""The quantized target: GGUF K-quant blocks decoded exactly, repacked for
+the kquant kernel and torch's int4 kernel, the kernels against float64 on
+the exact dequantization, each row's output independent of the rows beside
+it, and a tiny quantized model whose greedy output through the services is
+the same in every speculation mode.
+
+Real block data comes from the default target's GGUF when it is prepared
+(the real-model test prepares it), synthetic blocks from random bytes and
+from tests/gguf_tiny.py's quantizers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.models.gguf_blocks import decode
+from target_service import kquant, quant
+from tests.gguf_tiny import quantize_q4_k, quantize_q6_k
+
+REAL_GGUF = Path.home() / ".cache" / "specdec" / "gguf" / "qwen2.5-coder-1.5b-instruct.gguf"
+BUILDS = [b for b in ("avx512bf16", "avx2") if b == "avx2" or kquant.isa() == "avx512bf16"]
+needs_kernel = pytest.mark.skipif(kquant.isa() is None or not kquant.available()[0],
+                                  reason="kquant kernel unavailable (needs AVX2+FMA and a C compiler)")
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Random K-quant blocks: random codes and scales, finite float16 d."""
+    rng = np.random.default_rng(seed)
+    per = {"Q4_K": 144, "Q6_K": 210}[kind]
+    b = rng.integers(0, 256, size=(n * k // 256, per), dtype=np.uint8)
+    d = (rng.random((b.shape[0], 2)) * 0.01 + 1e-4).astype(np.float16).view(np.uint8)
+    if kind == "Q4_K":
+        b[:, 0:4] = d.reshape(-1, 4)
+    else:
+        b[:, 208:210] = d[:, 0:2]
+    return b.reshape(n, -1)
+
+
+def gguf_dequantize(raw: np.ndarray, kind: str, n: int, k: int) -> np.ndarray:
+    import gguf
+
+    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(n, k)
+
+
+def real_tensor(name: str) -> quant.GgufTensor:
+    if not REAL_GGUF.is_file():
+        pytest.skip("the default target's GGUF is not prepared (specdec models prepare)")
+    return quant.GgufFile(REAL_GGUF).get(name)
+
+
+# ------------------------------------------------------------------ decoding
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_decode_random_blocks_is_ggufs_dequantization(kind: str) -> None:
+    raw = random_blocks(kind, 12, 512, seed=3)
+    b = decode(raw, kind, 12, 512)
+    assert np.array_equal(b.dequantize(), gguf_dequantize(raw, kind, 12, 512))
+
+
+@pytest.mark.parametrize("name,kind", [("blk.0.attn_k.weight", "Q4_K"), ("blk.0.attn_v.weight", "Q6_K")])
+def test_decode_real_blocks_is_ggufs_dequantization(name: str, kind: str) -> None:
+    t = real_tensor(name)
+    assert t.kind == kind
+    b = decode(t.data, t.kind, t.n, t.k)
+    assert np.array_equal(b.dequantize(), gguf_dequantize(t.data, t.kind, t.n, t.k))
+
+
+@pytest.mark.parametrize("quantize,kind", [(quantize_q4_k, "Q4_K"), (quantize_q6_k, "Q6_K")])
+def test_test_quantizers_write_valid_blocks(quantize, kind: str) -> None:  # type: ignore[no-untyped-def]
+    w = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32)
+    raw = quantize(w)
+    deq = gguf_dequantize(raw, kind, 8, 512)
+    assert np.array_equal(decode(raw, kind, 8, 512).dequantize(), deq)
+    assert np.abs(deq - w).mean() < (0.15 if kind == "Q4_K" else 0.05) * np.abs(w).mean()
+
+
+def test_decode_refuses_a_wrong_size() -> None:
+    with pytest.raises(ValueError, match="should hold"):
+        decode(random_blocks("Q4_K", 4, 256, 0)[:, :-1], "Q4_K", 4, 256)
+
+
+# -------------------------------------------------------------- the kernels
+def reference(x: torch.Tensor, w: np.ndarray, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 product of the bf16-rounded input and the exact dequantization."""
+    y = x.to(torch.bfloat16).double() @ torch.from_numpy(w).double().T
+    return y if bias is None else y + bias.double()
+
+
+@needs_kernel
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_kquant_matches_the_exact_dequantization(build: str, kind: str) -> None:
+    n, k = 44, 768  # N not a multiple of 8: a padded last group
+    raw = random_blocks(kind, n, k, seed=7)
+    b = decode(raw, kind, n, k)
+    bias = torch.randn(n)
+    lin = kquant.KQuantLinear(b, bias, build)
+    x = torch.randn(5, k)
+    ref = reference(x, b.dequantize(), bias)
+    y = lin(x).double()
+    assert y.shape == (5, n)
+    # float32 sums of 768 products (the code offset of the AVX-512 build costs
+    # about 4 of float32's 24 bits): far below the bf16 rounding of the input
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+    # negative control: the same check catches one code moved by half its range
+    # (on an input weighted so that it shows)
+    x[:, 0] = 50.0
+    y = lin(x).double()
+    bad = b.codes.copy()
+    bad[0, 0] = bad[0, 0] ^ 8 if kind == "Q4_K" else (bad[0, 0] + 48) % 64 - 32
+    wrong = reference(x, type(b)(b.kind, bad, b.scale, b.minimum, b.group).dequantize(), bias)
+    assert (y - reference(x, b.dequantize(), bias)).abs().max() <= 1e-5 * ref.abs().max()
+    assert (y - wrong).abs().max() > 1e-5 * ref.abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.0.ffn_down.weight"])
+def test_kquant_on_real_blocks(build: str, name: str) -> None:
+    t = real_tensor(name)
+    b = decode(t.data, t.kind, t.n, t.k)
+    x = torch.randn(3, t.k)
+    ref = reference(x, b.dequantize())
+    y = kquant.KQuantLinear(b, None, build)(x).double()
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_kquant_rows_are_independent_of_the_rows_beside_them(build: str, kind: str) -> None:
+    """Every row count from 1 to 20 (one, two and three groups of rows, every
+    tile), two thread counts: each row bit for bit as computed alone."""
+    n, k = 40, 512
+    lin = kquant.KQuantLinear(decode(random_blocks(kind, n, k, seed=11), kind, n, k), torch.randn(n), build)
+    x = torch.randn(20, k)
+    kquant._library(build)[0].kq_set_threads(1)  # type: ignore[union-attr]
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(20)])
+    kquant._library(build)[0].kq_set_threads(2)  # type: ignore[union-attr]
+    for m in range(1, 21):
+        assert torch.equal(lin(x[:m]), alone[:m]), f"{m} rows"
+    assert torch.equal(torch.cat([lin(x[:7]), lin(x[7:])]), alone)
+
+
+def test_int4_pack_maps_q4_k_exactly_up_to_bf16_scales() -> None:
+    """ATen's w = (q − 8)·S + Z with S = d·sc and Z = 8·S − dmin·m: the same
+    weight as the file's up to the bf16 rounding of S and Z."""
+    if not quant.int4_supported(torch.device("cpu"))[0]:
+        pytest.skip("ATen's int4 kernel has no vectorised path here")
+    n, k = 64, 512
+    b = decode(random_blocks("Q4_K", n, k, seed=5), "Q4_K", n, k)
+    packed, sz = quant.int4_pack(b)
+    lin = quant.Int4Linear(k, n, packed, sz, None)
+    x = torch.randn(4, k)
+    s = sz[..., 0].float().repeat_interleave(32, 0).T.numpy()
+    z = sz[..., 1].float().repeat_interleave(32, 0).T.numpy()
+    w_bf16_scales = (b.codes.astype(np.float32) - 8) * s + z
+    ref = reference(x, w_bf16_scales)
+    y = lin(x).double()
+    assert (y - ref).abs().max() <= 2e-2 * ref.abs().max()  # bf16 output rounding
+    assert np.abs(w_bf16_scales - b.dequantize()).max() <= 2 ** -7 * np.abs(b.dequantize()).max()
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(4)])
+    assert torch.equal(lin(x), alone)
+
+
+# ------------------------------------------- a tiny quantized model, served
+QUANT_PROMPTS = ["hello world, this is", "the quick brown fox", "abc abc abc abc"]
+
+
+@pytest.fixture(scope="module")
+def quant_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny Qwen2 with K-quant linear layers: (HF dir holding the exact
+    float32 dequantization, its GGUF). Dims are multiples of 256."""
+    from tests.conftest import TINY_CHARS
+    from tests.gguf_tiny import quantize_tiny_model
+    from tests.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("quant-model")
+    hf = build_tiny_model(root / "hf", chars=TINY_CHARS, seed=21, hidden_size=256, intermediate_size=512,
+                          num_heads=4, num_kv_heads=2)
+    return hf, quantize_tiny_model(hf, root / "model.gguf")
+
+
+@needs_kernel
+@pytest.mark.parametrize("backend", ["kquant", "int4"])
+def test_quantized_engine_steps_and_verify_agree(quant_model: tuple[Path, Path], backend: str) -> None:
+    """Greedy decoding one token at a time and verifying the same tokens as
+    one drafted span (every row count from 1 to 8) give the same tokens, and
+    the bonus token is the next greedy token: one computation for a session
+    whatever the rows of the pass."""
+    from specdec.sampling import SamplingConfig
+    from target_service.engine import TargetEngine
+
+    if backend == "int4" and not quant.int4_supported(torch.device("cpu"))[0]:
+        pytest.skip("ATen's int4 kernel has no vectorised path here")
+    hf, gguf = quant_model
+    eng = TargetEngine(hf, dtype="bfloat16", backend=backend, gguf_path=gguf)
+    assert sum(isinstance(m, (kquant.KQuantLinear, quant.Int4Linear)) for m in eng.model.modules()) >= 10
+    prompt = [3, 9, 14, 2, 7, 1]
+    pre = eng.prefill(prompt, SamplingConfig(), sample_next=True)
+    first = pre.next_token
+    assert first is not None
+    greedy, cache_len, new = [], len(prompt), [first]
+    for _ in range(12):
+        out = eng.verify(pre.session_id, cache_len, new, [], [])
+        cache_len += len(new)
+        new = [out.result.next_token]
+        greedy.append(out.result.next_token)
+    eng.release(pre.session_id)
+    for k in range(1, 9):
+        pre = eng.prefill(prompt, SamplingConfig(), sample_next=True)
+        assert pre.next_token == first
+        sid = pre.session_id
+        out = eng.verify(sid, len(prompt), [first], greedy[:k], [None] * k)
+        assert out.result.num_accepted == k, k
+        assert out.result.next_token == greedy[k]
+        eng.release(sid)
+
+
+@needs_kernel
+def test_quantized_target_greedy_is_the_same_in_every_mode(quant_model: tuple[Path, Path], onnx_cache_dir: Path) -> None:
+    """Through real services: the kquant target's greedy output with the
+    model drafter (its own float32 dequantization on ONNX Runtime) and with
+    prompt lookup, FIXED and AUTO, equals its target-only output; the
+    target reports the numerics it runs."""
+    from draft_service.config import DrafterSpec
+    from specdec.v1 import common_pb2
+    from tests.stack import start_stack
+
+    hf, gguf = quant_model
+    stack = start_stack(hf, None, onnx_cache_dir, target_dtype="bfloat16",
+                        target_overrides={"backend": "kquant", "gguf": str(gguf)},
+                        drafters=[DrafterSpec(name="self", model=str(hf), precision="fp32"),
+                                  DrafterSpec(name="prompt-lookup", kind="prompt-lookup")],
+                        default_drafter="self")
+    try:
+        info = stack.target_stub().GetModelInfo(common_pb2.ModelInfoRequest(), timeout=30)
+        assert (info.dtype, info.backend, info.numerics_chosen_by) == ("bfloat16", "kquant", "flags")
+        for prompt in QUANT_PROMPTS:
+            off = stack.generate(prompt=prompt, mode="off", max_new_tokens=32)
+            for drafter in ("self", "prompt-lookup"):
+                for mode, gamma in (("fixed", 4), ("auto", 0)):
+                    spec = stack.generate(prompt=prompt, mode=mode, gamma=gamma, drafter=drafter, max_new_tokens=32)
+                    assert spec["token_ids"] == off["token_ids"], (prompt, drafter, mode)
+            fixed = stack.generate(prompt=prompt, mode="fixed", gamma=4, drafter="self", max_new_tokens=32)
+            assert fixed["stats"].accepted_tokens > 0
+        stack.wait_no_sessions()
+    finally:
+        stack.close()
+
+
+# ------------------------------------------------- fidelity and the choice rule
+FLAT = {1: 30.0, 2: 32.0, 4: 36.0, 8: 48.0, 16: 80.0}
+SLOW = {k: 3 * v for k, v in FLAT.items()}
+BF16_FID = {"mean_kl": 5e-4, "top1_agreement": 0.987, "positions": 256, "p99_kl": 3e-3, "max_kl": 2e-2}
+
+
+def fid(kl: float, top1: float) -> dict[str, float]:
+    return {**BF16_FID, "mean_kl": kl, "top1_agreement": top1}
+
+
+@pytest.mark.parametrize("quant_fid,chosen", [
+    (fid(3e-5, 0.998), ("bfloat16", "kquant")),   # within the bound: the fastest wins
+    (fid(6e-4, 0.990), ("bfloat16", "packed")),   # mean KL above the bf16 pair's: never chosen by auto
+    (fid(1e-4, 0.980), ("bfloat16", "packed")),   # top-1 agreement too far below
+    (None, ("bfloat16", "packed")),               # not measured: not admissible
+])
+def test_auto_chooses_a_quantized_pair_only_within_the_fidelity_bound(quant_fid, chosen) -> None:  # type: ignore[no-untyped-def]
+    from target_service import calibration as cal
+
+    pairs = [("bfloat16", "packed"), ("bfloat16", "kquant")]
+    measured = {("bfloat16", "packed"): (SLOW, BF16_FID), ("bfloat16", "kquant"): (FLAT, quant_fid)}
+    res = cal.choose(pairs, lambda p: measured[p], None, fidelity_needed=True)
+    assert (res.dtype, res.backend) == chosen
+    assert res.scores["bfloat16/kquant"] > res.scores["bfloat16/packed"]  # it is the fastest either way
+    assert ("bfloat16/kquant" in res.excluded) == (chosen != ("bfloat16", "kquant"))
+    assert "bfloat16/packed" not in res.excluded
+
+
+def test_explicit_quantized_flags_win_without_a_fidelity_check(quant_model: tuple[Path, Path]) -> None:
+    from target_service import calibration as cal
+
+    hf, gguf = quant_model
+    cpu = torch.device("cpu")
+    if kquant.available()[0]:
+        assert cal.resolve_pairs("auto", "kquant", cpu, gguf) == ([("bfloat16", "kquant")], "flags")
+    if quant.int4_supported(cpu)[0]:
+        assert cal.resolve_pairs("bfloat16", "int4-q8", cpu, gguf) == ([("bfloat16", "int4-q8")], "flags")
+    with pytest.raises(ValueError, match="bfloat16 activations"):
+        cal.resolve_pairs("float32", "kquant", cpu, gguf)
+    with pytest.raises(ValueError, match="no GGUF"):
+        cal.resolve_pairs("auto", "kquant", cpu, None)
+    auto, how = cal.resolve_pairs("auto", "auto", cpu, gguf)
+    assert ("bfloat16", "int4-q8") not in auto  # lossy: explicit only
+    assert how == "calibration"
+
+
+def test_fidelity_is_zero_for_the_reference_and_catches_a_perturbed_model(tiny_models) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from target_service import fidelity
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_models.target))
+    ids, digest = fidelity.corpus_ids(tok, 96)
+    ref_model = AutoModelForCausalLM.from_pretrained(str(tiny_models.target), dtype=torch.float32).eval()
+    ref = fidelity.reference_logprobs(fidelity.model_forward(ref_model), ids, 48)
+    same = fidelity.compare(fidelity.model_forward(ref_model), ids, ref, 48, digest)
+    assert same.positions == 96 and same.mean_kl == 0.0 and same.top1_agreement == 1.0
+    noisy = AutoModelForCausalLM.from_pretrained(str(tiny_models.draft), dtype=torch.float32).eval()
+    off = fidelity.compare(fidelity.model_forward(noisy), ids, ref, 48, digest)
+    assert off.mean_kl > 1e-3 and off.top1_agreement < 1.0
+    assert not fidelity.within_bound(off, same) and fidelity.within_bound(same, off)
+
+
+@needs_kernel
+def test_calibration_measures_fidelity_and_reports_it(quant_model: tuple[Path, Path], tmp_path: Path) -> None:
+    """Auto calibration with a GGUF: every pair's fidelity against
+    float32/eager is measured and cached, and the chosen pair is admissible."""
+    from target_service import calibration as cal
+
+    hf, gguf = quant_model
+    res, model = cal.calibrate(hf, "auto", "auto", torch.device("cpu"), tmp_path, "tiny-quant", budget_s=5,
+                               gguf_path=gguf)
+    assert "bfloat16/kquant" in res.curves and "bfloat16/kquant" in res.fidelity
+    assert res.fidelity["float32/eager"]["mean_kl"] == 0.0
+    assert res.fidelity["bfloat16/kquant"]["top1_agreement"] > 0.9
+    assert f"{res.dtype}/{res.backend}" not in res.excluded
+    again, _ = cal.calibrate(hf, "auto", "auto", torch.device("cpu"), tmp_path, "tiny-quant", budget_s=5,
+                             gguf_path=gguf)
+    assert again.cached and again.fidelity == res.fidelity
