@@ -42,11 +42,12 @@ def corpus_ids(tokenizer: Any, tokens: int) -> tuple[list[int], str]:
     (figures are comparable only for the same digest)."""
     text = corpus_text()
     ids: list[int] = []
-    step = 200_000
-    for start in range(0, len(text), step):  # tokenize only as much as needed
-        ids = tokenizer(text[: start + step], add_special_tokens=False)["input_ids"]
-        if len(ids) > tokens + 8:
+    chars = 6 * tokens + 1024  # tokenize only about as much as needed
+    while True:
+        ids = tokenizer(text[:chars], add_special_tokens=False, verbose=False)["input_ids"]
+        if len(ids) > tokens + 8 or chars >= len(text):
             break
+        chars *= 2
     ids = ids[:tokens]
     if len(ids) < tokens:
         raise ValueError(f"the fidelity corpus has only {len(ids)} tokens")

@@ -55,11 +55,14 @@ _lock = threading.Lock()
 
 
 def isa() -> str | None:
-    """The kernel build this CPU runs (``avx512bf16`` or ``avx2``), or None."""
+    """The kernel build this CPU runs (``avx512bf16`` or ``avx2``), or None.
+    A torch capped below AVX-512 (``ATEN_CPU_CAPABILITY=avx2``, the AVX2
+    emulation of docs/benchmarks.md) gets the AVX2 build too."""
     from target_service.backends import cpu_info
 
-    flags = set(cpu_info().flags)
-    if {"avx512f", "avx512_bf16"} <= flags and _has_avx512bw():
+    info = cpu_info()
+    flags = set(info.flags)
+    if {"avx512f", "avx512_bf16"} <= flags and _has_avx512bw() and info.capability not in ("AVX2", "DEFAULT"):
         return "avx512bf16"
     if {"avx2", "fma"} <= flags:
         return "avx2"
