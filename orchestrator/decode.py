@@ -127,6 +127,7 @@ class Decoder:
         self.draft_sid: str | None = None
         self.draft_sessions = 0  # draft sessions created so far: the next one's rng_offset
         self.draft_known = 0  # committed tokens the draft session knows
+        self._fed_tokens = 0  # committed tokens the last Propose fed the draft
         self.draft_down_until_round = 0
         self._draft_wall_ms = 0.0
         self._tasks: set[asyncio.Future[Any]] = set()  # fire-and-forget releases
@@ -194,6 +195,7 @@ class Decoder:
                     if self.draft_sid is None:
                         break
                 t0 = time.perf_counter()
+                self._fed_tokens = len(self.committed) - self.draft_known
                 reply = await self.draft.propose(
                     self.draft_sid,
                     self.draft_known,
@@ -239,6 +241,9 @@ class Decoder:
         remaining = self.p.max_new_tokens - self.generated
         if remaining <= 0:
             return 0, 0.0
+        outlook = getattr(self.p.policy, "set_outlook", None)
+        if outlook is not None and not self.streamed and self.draft is not None:
+            outlook(len(self.committed) - self.draft_known, remaining)
         gamma = min(self.p.policy.next_gamma(), remaining - 1)
         return gamma, (self.p.min_confidence or self.p.policy.stop_confidence()) if gamma > 0 else 0.0
 
@@ -343,6 +348,7 @@ class Decoder:
             batch_tokens=verified.batch_tokens,
             requested=gamma if proposal else 0,
             streamed=self.streamed,
+            fed_tokens=self._fed_tokens if proposal else 0,
         )
         self._continued = 0 < len(draft_ids) == verified.num_accepted
         self.p.policy.observe(obs)

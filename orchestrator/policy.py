@@ -47,6 +47,10 @@ class RoundObservation:
     streamed: the span came over a draft stream (``draft_ms`` is then the
       time the round waited for it, which run-ahead shortens below the
       span's draft compute when drafting overlapped the previous verify).
+    fed_tokens: committed tokens the draft took in before drafting (unary
+      Propose: its delta; the prompt on the first round, everything since
+      the last speculative round after rounds at γ = 0): the draft's
+      catch-up prefill is part of its compute.
     """
 
     gamma: int
@@ -63,6 +67,7 @@ class RoundObservation:
     batch_tokens: int = 0
     requested: int = 0
     streamed: bool = False
+    fed_tokens: int = 0
 
 
 class DraftLengthPolicy(Protocol):
@@ -204,6 +209,9 @@ class AdaptiveConfig:
     level_prior_strength: float = 16.0  # pseudo-tokens at level 1 (the shared estimates) in the request's level
     probe_every: int = 8  # rounds at γ = 0 before probing speculation again (doubles up to 64)
     probe_gamma: int = 1
+    # a probe whose draft catch-up prefill would cost more than this share of
+    # the request's remaining target-only time is skipped
+    probe_catchup_share: float = 0.03
     thompson: bool = False  # sample α from its posterior each round (exploration) instead of using the mean
     explore_every: int = 0  # every n-th speculative round tries a neighbouring γ (keeps the cost slope learnt)
     min_gain: float = 1.02  # speculate only when E/T beats plain decoding by this factor
@@ -265,6 +273,38 @@ class AdaptivePolicy:
         self._probe_every = self.cfg.probe_every
         self._spec_rounds = 0
         self.last_scores: dict[int, float] = {}
+        self._catchup_tokens = 0  # committed tokens the draft must take in before it drafts again
+        self._remaining = 0  # tokens the request may still generate (0 = unknown)
+
+    def set_outlook(self, catchup_tokens: int, remaining_tokens: int) -> None:
+        """What the next round's choice must also weigh (unary drafting):
+        the draft's catch-up prefill of ``catchup_tokens`` is paid once, by
+        the first speculative round, and can only be earned back over the
+        ``remaining_tokens`` the request may still generate."""
+        self._catchup_tokens = max(0, int(catchup_tokens))
+        self._remaining = max(0, int(remaining_tokens))
+
+    def _catchup_pays(self, scores: dict[int, float], best: int) -> bool:
+        """Speculating from now on saves (1/s₀ − 1/s_best) ms per token over
+        the remaining tokens: it must save more than the catch-up costs."""
+        if self._catchup_tokens <= 0 or self._remaining <= 0:
+            return True
+        cost = self.costs.catchup_ms(self._catchup_tokens)
+        if cost is None or cost <= 0:
+            return True
+        saved = (1.0 / max(scores[0], 1e-9) - 1.0 / max(scores[best], 1e-9)) * self._remaining
+        return saved > cost
+
+    def _probe_affordable(self, scores: dict[int, float]) -> bool:
+        """A probe's catch-up may cost at most ``probe_catchup_share`` of the
+        remaining tokens' time at γ = 0, so that probing can never make a
+        request noticeably slower than target-only decoding."""
+        if self._catchup_tokens <= 0 or self._remaining <= 0:
+            return True
+        cost = self.costs.catchup_ms(self._catchup_tokens)
+        if cost is None or cost <= 0:
+            return True
+        return cost <= self.cfg.probe_catchup_share * self._remaining / max(scores[0], 1e-9)
 
     # -------------------------------------------------------------- estimates
     def alphas(self, sample: bool = False, state: int | None = None) -> list[float]:
@@ -326,7 +366,7 @@ class AdaptivePolicy:
         scores = self.scores(sample=self.cfg.thompson)
         self.last_scores = scores
         best = max(range(1, self.cfg.gamma_max + 1), key=lambda g: scores[g])
-        if scores[best] >= scores[0] * self.cfg.min_gain:
+        if scores[best] >= scores[0] * self.cfg.min_gain and self._catchup_pays(scores, best):
             self._zero_rounds = 0
             self._probe_every = self.cfg.probe_every
             self._spec_rounds += 1
@@ -339,7 +379,8 @@ class AdaptivePolicy:
             # probe: a short span refreshes α; back off if it keeps losing
             self._zero_rounds = 0
             self._probe_every = min(64, self._probe_every * 2)
-            return min(self.cfg.probe_gamma, self.cfg.gamma_max)
+            if self._probe_affordable(scores):
+                return min(self.cfg.probe_gamma, self.cfg.gamma_max)
         return 0
 
     def stop_confidence(self) -> float:

@@ -43,6 +43,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return bench_main(a)
 
 
+def cmd_fidelity(a: argparse.Namespace) -> int:
+    from specdec.logging_util import setup_logging
+    from specdec_app.fidelity_cmd import main as fidelity_main
+
+    setup_logging(service="fidelity")
+    return fidelity_main(a)
+
+
 def cmd_loadbench(a: argparse.Namespace) -> int:
     from specdec_app.loadbench import main as loadbench_main
 
@@ -80,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="throughput and latency under 1..32 concurrent streams (batching, speculation on/off)")
     add_load_arguments(load)
     load.set_defaults(func=cmd_loadbench)
+    from specdec_app.fidelity_cmd import add_arguments as add_fidelity_arguments
+
+    fid = sub.add_parser("fidelity", help="every target numerics against the model file's exact dequantization")
+    add_fidelity_arguments(fid)
+    fid.set_defaults(func=cmd_fidelity)
     return p
 
 

@@ -410,3 +410,59 @@ def test_hidden_drafting_lets_gamma_grow_and_low_acceptance_still_turns_speculat
     assert hidden > unary >= 1, (hidden, unary)
     assert policy(True, 0.02).next_gamma() == 0
     assert policy(False, 0.02).next_gamma() == 0
+
+
+# ------------------------------------------------ the draft's catch-up prefill
+KQ_CURVE = {1: 30.0, 2: 32.0, 4: 40.0, 6: 50.0, 8: 60.0, 16: 110.0}
+
+
+def _policy_with_alpha(alpha: float, draft_token_ms: float = 13.0) -> AdaptivePolicy:
+    factory = PolicyFactory()
+    factory.set_cost_priors(verify_curve=KQ_CURVE, draft_token_ms={"d": draft_token_ms})
+    policy = factory.make("auto", 0, "d")
+    assert isinstance(policy, AdaptivePolicy)
+    rng = random.Random(1)
+    for _ in range(40):  # this request's acceptance is known
+        g = 3
+        acc = 0
+        while acc < g and rng.random() < alpha:
+            acc += 1
+        policy.observe(RoundObservation(gamma=g, accepted=acc, draft_ms=g * draft_token_ms,
+                                        draft_compute_ms=g * draft_token_ms, verify_ms=40.0,
+                                        verify_compute_ms=40.0, tokens_in_pass=g + 1))
+    return policy
+
+
+@pytest.mark.parametrize("alpha,remaining,speculates", [
+    (0.95, 400, True),   # saves far more than the 741-token catch-up costs
+    (0.6, 120, False),   # a small gain per token cannot earn the catch-up back
+    (0.95, 3, False),    # too few tokens left to earn it back
+])
+def test_speculation_must_earn_back_the_drafts_catch_up(alpha: float, remaining: int, speculates: bool) -> None:
+    policy = _policy_with_alpha(alpha)
+    policy.set_outlook(0, remaining)
+    assert policy.next_gamma() > 0  # with nothing to catch up, every case speculates
+    policy.set_outlook(741, remaining)
+    assert (policy.next_gamma() > 0) == speculates
+
+
+def test_a_probe_is_skipped_when_its_catch_up_would_cost_more_than_its_share() -> None:
+    """After rounds at γ = 0 a probe refreshes α; with a long context to catch
+    up and a short request left, it is skipped, so probing cannot make the
+    request slower than target-only decoding; with nothing to catch up it runs."""
+    for catchup, probes in ((0, True), (741, False)):
+        policy = _policy_with_alpha(0.2)
+        policy.set_outlook(catchup, 100)
+        gammas = [policy.next_gamma() for _ in range(64)]
+        assert (max(gammas) > 0) == probes, catchup
+
+
+def test_the_cost_model_learns_the_catch_up_apart_from_the_per_token_cost() -> None:
+    costs = CostModel()
+    costs.set_prior(KQ_CURVE, draft_token_ms=13.0)
+    assert costs.catchup_ms(100) == pytest.approx(100 * CostModel.CATCHUP_PRIOR_RATIO * 13.0)
+    # a first round that fed the prompt: 4 drafted tokens + 500 prompt tokens at 2 ms
+    costs.observe(RoundObservation(gamma=4, accepted=3, draft_ms=1052.0, draft_compute_ms=1052.0,
+                                   verify_ms=40.0, verify_compute_ms=40.0, tokens_in_pass=5, fed_tokens=500))
+    assert costs.catchup_ms(100) == pytest.approx(200.0)
+    assert costs.draft_ms(4) == pytest.approx(52.0)  # the per-token cost is not inflated by the catch-up
