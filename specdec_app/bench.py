@@ -359,11 +359,20 @@ def target_numerics(target_address: str) -> dict[str, Any]:
 
     with grpc.insecure_channel(target_address) as ch:
         info = target_pb2_grpc.TargetStub(ch).GetModelInfo(common_pb2.ModelInfoRequest(), timeout=30)
+
+    def fid(f: Any) -> dict[str, Any] | None:
+        if not f.positions:
+            return None
+        return {"positions": f.positions, "mean_kl": f.mean_kl, "p99_kl": f.p99_kl, "max_kl": f.max_kl,
+                "top1_agreement": f.top1_agreement}
+
     return {
         "dtype": info.dtype, "backend": info.backend, "chosen_by": info.numerics_chosen_by, "cpu_isa": info.cpu_isa,
         "device": info.device, "forward_cost_ms": {p.tokens: p.ms for p in info.forward_cost},
+        "fidelity": fid(info.fidelity),
         "calibrated": {f"{c.dtype}/{c.backend}": {"score_tok_s": c.score_tokens_per_s,
-                                                  "forward_cost_ms": {p.tokens: p.ms for p in c.forward_cost}}
+                                                  "forward_cost_ms": {p.tokens: p.ms for p in c.forward_cost},
+                                                  "fidelity": fid(c.fidelity), "admissible": c.admissible}
                        for c in info.calibrated},
     }
 
@@ -458,7 +467,8 @@ def main(a: argparse.Namespace) -> int:
         res["numerics"] = target_numerics(a.target_address)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), **machine_meta(),
             "target_dtype": res["numerics"]["dtype"], "target_backend": res["numerics"]["backend"],
-            "target_numerics_chosen_by": res["numerics"]["chosen_by"], "max_new_tokens": a.max_new_tokens,
+            "target_numerics_chosen_by": res["numerics"]["chosen_by"],
+            "target_fidelity": res["numerics"].get("fidelity"), "max_new_tokens": a.max_new_tokens,
             "command": " ".join(sys.argv)}
     res["meta"] = meta
     (a.out / "results.json").write_text(json.dumps(res, indent=2))
