@@ -6,7 +6,11 @@
 #      (Qwen2.5-Coder 1.5B / 0.5B configs, random weights, bf16), eager and
 #      with CUDA graphs (scripts/gpu_costs.py);
 #   3. the per-round gRPC + orchestration overhead against a GPU step
-#      (scripts/round_overhead.py).
+#      (scripts/round_overhead.py);
+#   4. int4 weight-only matmul (tinygemm, torch.ops.aten._weight_int4pack_mm,
+#      group 32) against bf16 F.linear over the 1.5B target's linear layers,
+#      M = 1..16 rows, with its packing and row-invariance checks
+#      (scripts/gpu_int4.py; skipped with a message where the op is missing).
 #
 #   bash scripts/gpu_wheels.sh        # here, once: the few wheels the GPU image lacks, into .gpu-wheels/
 #   then on the device machine (carry .gpu-wheels):
@@ -39,4 +43,6 @@ echo "== 2. cost curves (random-weight real architectures, bf16)"
 timeout 200 "$PY" scripts/gpu_costs.py --out "$OUT" 2>&1 | tail -40 || status=1
 echo "== 3. per-round overhead through gRPC"
 timeout 120 "$PY" scripts/round_overhead.py --device cuda --out "$OUT" 2>&1 | tail -20 || status=1
+echo "== 4. int4 weight-only matmul (tinygemm) against bf16"
+timeout 180 "$PY" scripts/gpu_int4.py --out "$OUT" 2>&1 | tail -30 || status=1
 exit $status
