@@ -65,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cost-curve", action="store_true")
     p.add_argument("--cache-dir", type=Path, default=None)
     p.add_argument("--up-args", default="", help="extra flags for `specdec up` with --launch (one string)")
+    p.add_argument("--llamacpp", type=Path, default=None,
+                   help="llamacpp.json of scripts/bench_llamacpp.sh: also write vs_llamacpp.{json,md,png} (one table)")
 
 
 def leviathan(alpha: float, gamma: int, c: float) -> tuple[float, float]:
@@ -344,11 +346,16 @@ def launched_stack(
             time.sleep(1)
         yield proc, json.loads(ready.read_text())
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, 60)
+
+
+def stop(proc: "subprocess.Popen[bytes]", timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL after ``timeout_s``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def target_numerics(target_address: str) -> dict[str, Any]:
@@ -477,4 +484,9 @@ def main(a: argparse.Namespace) -> int:
     for p in plots(res, a.out):
         print(f"wrote {p}")
     print(md)
+    if a.llamacpp:
+        from specdec_app.bench_compare import write
+
+        for p in write(res, json.loads(a.llamacpp.read_text()), a.out):
+            print(f"wrote {p}")
     return 0

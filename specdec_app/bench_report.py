@@ -85,11 +85,16 @@ def _conf_label(k: tuple[str, str, int]) -> str:
     return f"{k[0]} {name}" if k[0] else name
 
 
+def geomean(values: list[float]) -> float:
+    """Geometric mean (values floored at 1e-9)."""
+    return math.exp(statistics.fmean(math.log(max(x, 1e-9)) for x in values))
+
+
 def category_table(rows: list[dict[str, Any]], key: str = "speedup") -> dict[tuple[str, tuple[str, str, int]], float]:
     acc: dict[tuple[str, tuple[str, str, int]], list[float]] = {}
     for r in rows:
         acc.setdefault((r["category"], _conf(r)), []).append(r[key])
-    return {k: math.exp(statistics.fmean(math.log(max(x, 1e-9)) for x in v)) for k, v in acc.items()}
+    return {k: geomean(v) for k, v in acc.items()}
 
 
 def pyplot() -> Any:
@@ -118,12 +123,33 @@ def plot_curves(series: dict[str, dict[int, float]], path: Path, title: str, sty
     ax.set_xlabel("tokens in one forward pass (k)")
     ax.set_ylabel("ms")
     ax.set_ylim(bottom=0)
+    return _save(plt, fig, ax, path, title)
+
+
+def _save(plt: Any, fig: Any, ax: Any, path: Path, title: str) -> bool:
+    """Title, legend, layout; writes ``path`` and closes the figure."""
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def bar_groups(groups: list[str], series: dict[str, list[float | None]], path: Path, ylabel: str, title: str) -> bool:
+    """One group of bars per entry of ``groups``, one bar per series (None:
+    no bar); False without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(groups) * max(1, len(series)) ** 0.5 + 2), 4.2))
+    width = 0.8 / max(1, len(series))
+    for j, (label, values) in enumerate(series.items()):
+        xs = [i - 0.4 + width * (j + 0.5) for i, v in enumerate(values) if v is not None]
+        ax.bar(xs, [v for v in values if v is not None], width=width, label=label)
+    ax.set_xticks(range(len(groups)), groups, fontsize=7, rotation=45, ha="right")
+    ax.set_ylabel(ylabel)
+    return _save(plt, fig, ax, path, title)
 
 
 def plots(res: dict[str, Any], out: Path) -> list[Path]:

@@ -19,12 +19,16 @@ def test_bench_writes_json_markdown_and_plots(tiny_models, onnx_cache_dir: Path,
             json.dumps({"id": "a", "category": "code-completion", "chat": False, "prompt": "def f(x):"}) + "\n"
             + json.dumps({"id": "b", "category": "prose", "chat": True, "prompt": "tell me a story"}) + "\n"
         )
+        llamacpp = tmp_path / "llamacpp.json"  # scripts/bench_llamacpp.sh's format, two target-only rows
+        llamacpp.write_text(json.dumps({"meta": {"llama_cpp_version": "test"}, "rows": [
+            {"prompt": p, "category": c, "config": "target-only", "tok_s": 4.0, "decode_tok_s": 5.0}
+            for p, c in (("a", "code-completion"), ("b", "prose"))]}))
         p = argparse.ArgumentParser()
         bench.add_arguments(p)
         out = tmp_path / "out"
         args = p.parse_args(["--address", stack.address, "--target-address", f"127.0.0.1:{stack.target.port}",
                              "--prompts", str(prompts), "--gammas", "1,3", "--policies", "auto,heuristic,auto-nostop",
-                             "--max-new-tokens", "12", "--repeats", "2", "--out", str(out)])
+                             "--max-new-tokens", "12", "--repeats", "2", "--out", str(out), "--llamacpp", str(llamacpp)])
         assert bench.main(args) == 0
         res = json.loads((out / "results.json").read_text())
         assert len(res["rows"]) == 2 * 5
@@ -43,8 +47,14 @@ def test_bench_writes_json_markdown_and_plots(tiny_models, onnx_cache_dir: Path,
         assert res["numerics"]["forward_cost_ms"] and res["numerics"]["calibrated"]
         md = (out / "results.md").read_text()
         assert "| code-completion |" in md and "auto" in md and "heuristic" in md
-        for png in ("speedup.png", "speedup_vs_gamma.png", "gamma_trajectory_and_acceptance.png", "verify_cost.png"):
+        for png in ("speedup.png", "speedup_vs_gamma.png", "gamma_trajectory_and_acceptance.png", "verify_cost.png",
+                    "vs_llamacpp.png"):
             assert (out / png).stat().st_size > 1000, png
+        auto = {r["prompt"]: r["spec_tok_s"] for r in res["rows"] if r["mode"] == "auto"}
+        merged = json.loads((out / "vs_llamacpp.json").read_text())["rows"]
+        assert {r["prompt"]: r["ratios"]["AUTO ÷ llama.cpp target-only"] for r in merged} == {
+            k: v / 4.0 for k, v in auto.items()}
+        assert "| b | prose |" in (out / "vs_llamacpp.md").read_text()
     finally:
         stack.close()
 
