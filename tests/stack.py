@@ -6,6 +6,7 @@ gRPC stubs, as a client would."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 import grpc
@@ -29,6 +31,16 @@ from target_service.config import TargetServiceConfig
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parent.parent
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/<name>.py imported as the module ``name`` (scripts is no package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 class LoopThread:

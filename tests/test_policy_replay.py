@@ -3,27 +3,19 @@ costs it charges a round and how it reads a `specdec bench` results file."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
 from orchestrator.policy import FixedPolicy
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.stack import load_script
 
 
 @pytest.fixture(scope="module")
 def replay_mod():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("policy_replay", REPO / "scripts" / "policy_replay.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["policy_replay"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("policy_replay")
 
 
 def test_a_measured_curve_prices_each_pass_by_interpolation(replay_mod, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
