@@ -37,6 +37,7 @@ import ctypes
 import functools
 import threading
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -243,3 +244,106 @@ class KQuantLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"weights={self.kind} codes, activations=bf16, sums=fp32 ({self.which})")
+
+
+# ------------------------------------------------- projections in one call
+def concat_blocks(parts: list[Blocks]) -> Blocks:
+    """Blocks of the same kind and K stacked along N (the output rows)."""
+    def cat(field: str) -> np.ndarray | None:
+        vals = [getattr(b, field) for b in parts]
+        return None if vals[0] is None else np.concatenate(vals, axis=0)
+
+    first = parts[0]
+    return Blocks(first.kind, cat("codes"), cat("scale"), cat("minimum"), first.group,  # type: ignore[arg-type]
+                  d=cat("d"), dmin=cat("dmin"), sub_scale=cat("sub_scale"), sub_min=cat("sub_min"))
+
+
+class FusedProjection(torch.nn.Module):
+    """Several linear layers of one input (q, k, v; gate, up) as one kernel
+    call: one pass over the stacked weights, so a decoding step makes fewer
+    calls (each costs its dispatch and the wait for the pool). Each member
+    (``FusedSlice``) returns its columns of the shared output; the output is
+    computed once per input tensor and dropped when every member has taken
+    its part. Every output row is computed exactly as its own layer would
+    compute it (the kernel's rows are independent), so the numerics are
+    unchanged (tests/test_quant.py)."""
+
+    def __init__(self, blocks: list[Blocks], biases: list[torch.Tensor | None], which: str | None = None) -> None:
+        super().__init__()
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b.detach().float() if b is not None else torch.zeros(blk.shape[0])
+                              for b, blk in zip(biases, blocks)])
+        self.linear = KQuantLinear(concat_blocks(blocks), bias, which)
+        self.bounds: list[tuple[int, int]] = []
+        start = 0
+        for b in blocks:
+            self.bounds.append((start, start + b.shape[0]))
+            start += b.shape[0]
+        # the input the shared output was computed from (held, so that its
+        # identity cannot be reused by another tensor while cached)
+        self._x: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+        self._taken: set[int] = set()
+
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        if x is not self._x or self._out is None or index in self._taken:
+            self._out, self._x, self._taken = self.linear(x), x, set()
+        out = self._out
+        self._taken.add(index)
+        if len(self._taken) == len(self.bounds):
+            self._out, self._x = None, None
+        lo, hi = self.bounds[index]
+        return out[..., lo:hi]
+
+
+class FusedSlice(torch.nn.Module):
+    """One member of a ``FusedProjection``, in place of its ``nn.Linear``."""
+
+    def __init__(self, fused: FusedProjection, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.in_features = fused.linear.in_features
+        lo, hi = fused.bounds[index]
+        self.out_features = hi - lo
+        object.__setattr__(self, "fused", fused)  # shared, not a child: no double counting in modules()
+        self.shared = fused if index == 0 else None  # registered once, as the first member's child
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.part(x, self.index)  # type: ignore[attr-defined]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, part {self.index} of a fused call"
+
+
+#: the projections that read the same input, by their parent module
+FUSABLE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def fuse_projections(model: torch.nn.Module, decode: "Callable[[str], Blocks]") -> int:
+    """Replaces each run of sibling projections (q/k/v, gate/up) that are
+    kquant layers of one kind, with output rows in groups of 8, by one
+    ``FusedProjection`` (v_proj is often Q6_K beside Q4_K q/k: then q/k
+    alone). ``decode(path)`` gives a layer's blocks (decoded again, one
+    parent at a time, so that no more than a few layers' codes are held).
+    Returns how many fused calls were made."""
+    made = 0
+    for parent_name, parent in list(model.named_modules()):
+        for group in FUSABLE:
+            run: list[str] = []
+            for n in group:
+                mod = getattr(parent, n, None)
+                if not isinstance(mod, KQuantLinear) or mod.out_features % 8:
+                    break
+                if run and mod.kind != getattr(parent, run[0]).kind:
+                    break
+                run.append(n)
+            if len(run) < 2:
+                continue
+            mods = [getattr(parent, n) for n in run]
+            path = (parent_name + ".") if parent_name else ""
+            fused = FusedProjection([decode(path + n) for n in run], [m.bias for m in mods], mods[0].which)
+            for i, n in enumerate(run):
+                setattr(parent, n, FusedSlice(fused, i))
+            made += 1
+    return made

@@ -282,11 +282,12 @@ def make_linear(backend: str, t: GgufTensor, linear: torch.nn.Linear) -> torch.n
     return Bf16Linear(torch.from_numpy(w), bias, t.kind)
 
 
-def apply_quant(model: torch.nn.Module, backend: str, gguf_path: Path) -> dict[str, int]:
+def apply_quant(model: torch.nn.Module, backend: str, gguf_path: Path, fuse: bool = True) -> dict[str, int]:
     """Replaces every linear layer of ``model`` (float32, CPU) by its
     ``backend`` module built from ``gguf_path``; returns how many of each
     kind. Raises ValueError when the file lacks a layer's tensor or its shape
-    differs."""
+    differs. ``fuse`` (kquant): sibling projections of one input run as one
+    kernel call (``kquant.fuse_projections``; the same numerics)."""
     if backend not in QUANT_BACKENDS:
         raise ValueError(f"unknown quantized backend {backend!r}")
     f = GgufFile(gguf_path)
@@ -303,6 +304,14 @@ def apply_quant(model: torch.nn.Module, backend: str, gguf_path: Path) -> dict[s
         setattr(parent, attr, new)
         key = f"{t.kind}->{type(new).__name__}"
         counts[key] = counts.get(key, 0) + 1
+    if backend == "kquant" and fuse:  # q/k/v and gate/up in one kernel call each
+        from target_service.kquant import fuse_projections
+
+        def decode(path: str) -> gguf_blocks.Blocks:
+            t = f.get(gguf_tensor_name(path) or path)
+            return gguf_blocks.decode(t.data, t.kind, t.n, t.k)
+
+        counts["fused_calls"] = fuse_projections(model, decode)
     log(logger, logging.INFO, "linear layers from GGUF blocks", backend=backend, file=f.path.name, **counts)
     return counts
 

@@ -331,3 +331,25 @@ def test_calibration_measures_fidelity_and_reports_it(quant_model: tuple[Path, P
     again, _ = cal.calibrate(hf, "auto", "auto", torch.device("cpu"), tmp_path, "tiny-quant", budget_s=5,
                              gguf_path=gguf)
     assert again.cached and again.fidelity == res.fidelity
+
+
+@needs_kernel
+def test_fused_projections_compute_the_same_logits(quant_model: tuple[Path, Path]) -> None:
+    """q/k(/v) and gate/up as one kernel call each: bit-identical logits to
+    one call per layer, for a prompt and for 1- to 5-token passes."""
+    from transformers import AutoModelForCausalLM
+
+    hf, gguf = quant_model
+    models = []
+    for fuse in (True, False):
+        m = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+        with torch.inference_mode():
+            counts = quant.apply_quant(m, "kquant", gguf, fuse=fuse)
+        assert (counts.get("fused_calls", 0) > 0) == fuse
+        models.append(m)
+    assert sum(isinstance(x, kquant.FusedSlice) for x in models[0].modules()) >= 8
+    ids = torch.randint(1, 30, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for k in (24, 1, 2, 5):
+            a, b = (m(input_ids=ids[:, :k]).logits for m in models)
+            assert torch.equal(a, b), k
