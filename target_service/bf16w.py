@@ -326,11 +326,7 @@ def linear(x: torch.Tensor, weight_bf16: torch.Tensor, bias: torch.Tensor | None
     if lib is None:
         raise RuntimeError(f"the bf16w kernel is not available: {why}")
     n, k = weight_bf16.shape
-    x2 = x.reshape(-1, k)
-    if x2.dtype != torch.float32:
-        x2 = x2.float()
-    x2 = x2.contiguous()
-    m = x2.shape[0]
+    x2, m = cbuild.float_rows(x, k)
     y = torch.empty((m, n), dtype=torch.float32)
     fn = lib.specdec_bf16w_linear
     xp, wp, yp = x2.data_ptr(), weight_bf16.data_ptr(), y.data_ptr()

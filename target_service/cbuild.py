@@ -1,6 +1,7 @@
 """Build and load the target's small C kernels (``bf16w``, ``kquant``): one
 place that finds the compiler, compiles a source once per machine into the
-kernel cache and loads it with ctypes. Plain Python, no torch, no gRPC.
+kernel cache and loads it with ctypes, and hands the kernels their input
+rows. Plain Python, no gRPC.
 """
 
 from __future__ import annotations
@@ -59,3 +60,15 @@ def load(name: str, source: str, flags: Sequence[str]) -> tuple[ctypes.CDLL | No
                 src.unlink(missing_ok=True)
             os.replace(tmp, lib)
         return ctypes.CDLL(str(lib)), ""
+
+
+def float_rows(x, k: int):  # type: ignore[no-untyped-def]
+    """A torch tensor [..., k] as contiguous float32 rows [M, k] (what the
+    kernels read) and M."""
+    import torch
+
+    x2 = x.reshape(-1, k)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    x2 = x2.contiguous()
+    return x2, int(x2.shape[0])

@@ -55,6 +55,22 @@ typedef struct {
     float* y;            /* [M][N] */
 } job_t;
 
+/* an output: the tile's sum plus the bias */
+static inline void store_out(const job_t* j, int64_t m, int64_t n, float v) {
+    if (j->bias) v += j->bias[n];
+    j->y[m * j->N + n] = v;
+}
+
+/* super-block b of the group of 8 rows from row n (its 8 rows' blocks
+   contiguous), fetching the group's blocks four super-blocks ahead: the
+   hardware prefetcher alone leaves the memory bus idle while a block computes */
+static inline const uint8_t* group_block(const job_t* j, int64_t n, int64_t b, int64_t BS) {
+    const uint8_t* blk = j->w + ((n / 8) * (j->K / 256) + b) * 8 * BS;
+    for (int64_t off = 0; off < 8 * BS; off += 64)
+        _mm_prefetch((const char*)(blk + 4 * 8 * BS + off), _MM_HINT_T0);
+    return blk;
+}
+
 static inline uint16_t f32_to_bf16(float f) {
     /* round to nearest even, as vcvtneps2bf16 (NaN kept quiet) */
     union { float f; uint32_t u; } v = { f };
@@ -69,32 +85,38 @@ static inline float bf16_to_f32(uint16_t h) {
     return v.f;
 }
 
+/* one super-block of an activation row, each element rounded to bf16 (kept
+   as float32, exactly), and its 16 lane sums (16 consecutive elements each) */
+static void round_block(const float* xr, float blk[256], float* xs16) {
+    for (int t = 0; t < 256; t++) blk[t] = bf16_to_f32(f32_to_bf16(xr[t]));
+    for (int l = 0; l < 16; l++) {
+        float s = 0.0f;
+        for (int t = 0; t < 16; t++) s += blk[16 * l + t];
+        xs16[l] = s;
+    }
+}
+
+/* the bf16 bits of a float32 that is a bf16 value */
+static inline uint16_t bits_bf16(float f) {
+    union { float f; uint32_t u; } v = { f };
+    return (uint16_t)(v.u >> 16);
+}
+
 /* ------------------------------------------------------------------ AVX-512 */
 #ifdef KQ_AVX512
 
 /* activations for the kernel: xp[m][b*256 + p*32 + 2l + j] = bf16(x[m][b*256 + 16l + 2p + j]) */
 static void prepare_x(const float* x, int64_t M, int64_t K, uint16_t* xp, float* xsum) {
-    for (int64_t m = 0; m < M; m++) {
-        const float* xr = x + m * K;
-        uint16_t* dst = xp + m * K;
-        float* xs = xsum + m * (K / 16);
+    for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < K / 256; b++) {
-            uint16_t blk[256];
-            for (int t = 0; t < 256; t++) blk[t] = f32_to_bf16(xr[b * 256 + t]);
-            for (int l = 0; l < 16; l++) {
-                float s = 0.0f;
-                for (int t = 0; t < 16; t++) s += bf16_to_f32(blk[16 * l + t]);
-                xs[b * 16 + l] = s;
-            }
+            float blk[256];
+            round_block(x + m * K + b * 256, blk, xsum + m * (K / 16) + b * 16);
+            uint16_t* dst = xp + m * K + b * 256;
             for (int p = 0; p < 8; p++)
                 for (int l = 0; l < 16; l++)
-                    for (int j = 0; j < 2; j++)
-                        dst[b * 256 + p * 32 + 2 * l + j] = blk[16 * l + 2 * p + j];
+                    for (int j = 0; j < 2; j++) dst[p * 32 + 2 * l + j] = bits_bf16(blk[16 * l + 2 * p + j]);
         }
-    }
 }
-
-static void init_luts(void) {}
 
 /* registers 2pp and 2pp + 1 of one super-block, as bf16 of 128 + q: a code
    q < 128 under the exponent of 128 is the bf16 number 128 + q exactly
@@ -163,11 +185,8 @@ static inline __attribute__((always_inline)) void tile_body(const job_t* j, int6
         for (int i = 0; i < MB; i++) acc[r][i] = _mm512_setzero_ps();
     const uint16_t* xb = (const uint16_t*)j->xp + m0 * j->K;
     const float* xs = j->xsum + m0 * KS;
-    const uint8_t* grp = j->w + (n / 8) * KB * 8 * BS;
     for (int64_t b = 0; b < KB; b++) {
-        const uint8_t* blk = grp + b * 8 * BS;
-        for (int64_t off = 0; off < 8 * BS; off += 64)
-            _mm_prefetch((const char*)(blk + 4 * 8 * BS + off), _MM_HINT_T0);
+        const uint8_t* blk = group_block(j, n, b, BS);
         for (int r0 = 0; r0 < 8; r0 += NR) {
             __m512 da[NR][MB], db[NR][MB];
 #pragma GCC unroll 8
@@ -205,16 +224,8 @@ static inline __attribute__((always_inline)) void tile_body(const job_t* j, int6
     }
     for (int r = 0; r < 8 && n + r < j->N; r++)
         for (int i = 0; i < MB; i++) {
-            float v = _mm512_reduce_add_ps(acc[r][i]);
-            if (j->bias) v += j->bias[n + r];
-            j->y[(m0 + i) * j->N + n + r] = v;
+            store_out(j, m0 + i, n + r, _mm512_reduce_add_ps(acc[r][i]));
         }
-}
-
-#define TILE(MB, NR)                                                                     \
-static void tile_##MB(const job_t* j, int64_t n, int64_t m0) {                          \
-    if (j->kind == KQ_Q4K) tile_body(j, n, m0, KQ_Q4K, NR, MB);                          \
-    else tile_body(j, n, m0, KQ_Q6K, NR, MB);                                            \
 }
 
 #else  /* ------------------------------------------------------------- AVX2 */
@@ -225,25 +236,16 @@ static void tile_##MB(const job_t* j, int64_t n, int64_t m0) {                  
    permuted the same way: xp[m][b*256 + t*16 + h*8 + l] = bf16(x[m][b*256 + 16(8h+l) + t]),
    kept as float32. */
 static void prepare_x(const float* x, int64_t M, int64_t K, float* xp, float* xsum) {
-    for (int64_t m = 0; m < M; m++) {
-        const float* xr = x + m * K;
-        float* dst = xp + m * K;
-        float* xs = xsum + m * (K / 16);
+    for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < K / 256; b++) {
             float blk[256];
-            for (int t = 0; t < 256; t++) blk[t] = bf16_to_f32(f32_to_bf16(xr[b * 256 + t]));
-            for (int L = 0; L < 16; L++) {
-                float s = 0.0f;
-                for (int t = 0; t < 16; t++) s += blk[16 * L + t];
-                xs[b * 16 + L] = s;
-            }
+            round_block(x + m * K + b * 256, blk, xsum + m * (K / 16) + b * 16);
+            float* dst = xp + m * K + b * 256;
             for (int t = 0; t < 16; t++)
-                for (int L = 0; L < 16; L++) dst[b * 256 + t * 16 + L] = blk[16 * L + t];
+                for (int L = 0; L < 16; L++) dst[t * 16 + L] = blk[16 * L + t];
         }
-    }
 }
 
-static void init_luts(void) {}
 
 /* codes of registers (t, h) and (t + 1, h), t even: 8 bytes, low and high nibbles */
 static inline void codes_lo(const uint8_t* lo, int t, int h, __m256i* a, __m256i* b) {
@@ -300,11 +302,8 @@ static inline __attribute__((always_inline)) void tile_body(const job_t* j, int6
         for (int i = 0; i < MB; i++) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_ps();
     const float* xb = (const float*)j->xp + m0 * j->K;
     const float* xs = j->xsum + m0 * KS;
-    const uint8_t* grp = j->w + (n / 8) * KB * 8 * BS;
     for (int64_t b = 0; b < KB; b++) {
-        const uint8_t* blk = grp + b * 8 * BS;
-        for (int64_t off = 0; off < 8 * BS; off += 64)
-            _mm_prefetch((const char*)(blk + 4 * 8 * BS + off), _MM_HINT_T0);
+        const uint8_t* blk = group_block(j, n, b, BS);
         for (int r0 = 0; r0 < 8; r0 += NR) {
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
@@ -358,18 +357,18 @@ static inline __attribute__((always_inline)) void tile_body(const job_t* j, int6
             __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
             s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
             s4 = _mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 0x55));
-            float v = _mm_cvtss_f32(s4);
-            if (j->bias) v += j->bias[n + r];
-            j->y[(m0 + i) * j->N + n + r] = v;
+            store_out(j, m0 + i, n + r, _mm_cvtss_f32(s4));
         }
 }
 
+#endif
+
+/* a tile per (rows per group, rows per chain group), for each weight kind */
 #define TILE(MB, NR)                                                                     \
 static void tile_##MB(const job_t* j, int64_t n, int64_t m0) {                          \
     if (j->kind == KQ_Q4K) tile_body(j, n, m0, KQ_Q4K, NR, MB);                          \
     else tile_body(j, n, m0, KQ_Q6K, NR, MB);                                            \
 }
-#endif
 
 /* Activation rows go in groups of at most MAX_MB (balanced sizes), each
    group a pass over a weight panel that stays in L2. Four, not eight: with
@@ -465,7 +464,6 @@ int kq_set_threads(int n) {
     if (n < 1) n = 1;
     if (n > MAX_THREADS) n = MAX_THREADS;
     pthread_mutex_lock(&pool_mu);
-    if (!started) init_luts();
     for (int i = started ? started : 1; i < n; i++) {
         start_gen[i] = atomic_load(&generation);
         if (pthread_create(&workers[i], NULL, worker_main, (void*)(intptr_t)i) != 0) {

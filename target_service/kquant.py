@@ -225,11 +225,7 @@ class KQuantLinear(torch.nn.Module):
         if lib is None:
             raise RuntimeError(f"the kquant kernel is not available: {why}")
         k, n = self.in_features, self.out_features
-        x2 = x.reshape(-1, k)
-        if x2.dtype != torch.float32:
-            x2 = x2.float()
-        x2 = x2.contiguous()
-        m = x2.shape[0]
+        x2, m = cbuild.float_rows(x, k)
         y = torch.empty((m, n), dtype=torch.float32)
         rc = lib.kq_linear(KINDS[self.kind], x2.data_ptr(), m, k, self.packed.data_ptr(),
                            None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), n)
