@@ -273,6 +273,7 @@ class AdaptivePolicy:
         self._probe_every = self.cfg.probe_every
         self._spec_rounds = 0
         self.last_scores: dict[int, float] = {}
+        self._probing = False  # the round just chosen is a probe
         self._catchup_tokens = 0  # committed tokens the draft must take in before it drafts again
         self._remaining = 0  # tokens the request may still generate (0 = unknown)
 
@@ -365,6 +366,7 @@ class AdaptivePolicy:
             return 0
         scores = self.scores(sample=self.cfg.thompson)
         self.last_scores = scores
+        self._probing = False
         best = max(range(1, self.cfg.gamma_max + 1), key=lambda g: scores[g])
         if scores[best] >= scores[0] * self.cfg.min_gain and self._catchup_pays(scores, best):
             self._zero_rounds = 0
@@ -380,6 +382,7 @@ class AdaptivePolicy:
             self._zero_rounds = 0
             self._probe_every = min(64, self._probe_every * 2)
             if self._probe_affordable(scores):
+                self._probing = True
                 return min(self.cfg.probe_gamma, self.cfg.gamma_max)
         return 0
 
@@ -393,7 +396,10 @@ class AdaptivePolicy:
         yields r tokens per ms (the best score). So the token pays when
         p > r·m, scaled by ``AdaptiveConfig.confidence_scale`` (0 = off)."""
         scale = self.cfg.confidence_scale
-        if scale <= 0 or not self.last_scores:
+        if scale <= 0 or not self.last_scores or self._probing:
+            # a probe drafts its token whatever the draft's confidence: a probe
+            # cut to nothing would teach the policy nothing, and it would stay
+            # at γ = 0 for good
             return 0.0
         planned = max(self.last_scores, key=lambda g: self.last_scores[g])
         m = self.costs.marginal_token_ms(planned + 1, self.streamed, self._state == CONTINUED)

@@ -466,3 +466,22 @@ def test_the_cost_model_learns_the_catch_up_apart_from_the_per_token_cost() -> N
                                    verify_ms=40.0, verify_compute_ms=40.0, tokens_in_pass=5, fed_tokens=500))
     assert costs.catchup_ms(100) == pytest.approx(200.0)
     assert costs.draft_ms(4) == pytest.approx(52.0)  # the per-token cost is not inflated by the catch-up
+
+
+def test_a_probe_is_never_cut_short_by_the_confidence_stop() -> None:
+    """While plain decoding wins, every probe drafts its token whatever the
+    draft's confidence (a probe the confidence stop emptied would teach the
+    policy nothing and keep it at γ = 0 for good); rounds that speculate keep
+    their stop."""
+    factory = PolicyFactory()
+    factory.set_cost_priors(verify_curve={1: 45.0, 2: 76.0, 4: 74.0, 8: 130.0}, draft_token_ms={"d": 14.0})
+    policy = factory.make("auto", 0, "d")
+    probes = 0
+    for _ in range(40):
+        g = policy.next_gamma()
+        if g > 0:
+            probes += 1
+            assert policy.stop_confidence() == 0.0
+    assert probes >= 2
+    fast = _policy_with_alpha(0.95)
+    assert fast.next_gamma() > 0 and fast.stop_confidence() > 0.0
