@@ -211,7 +211,7 @@ class AdaptiveConfig:
     probe_gamma: int = 1
     # a probe whose draft catch-up prefill would cost more than this share of
     # the request's remaining target-only time is skipped
-    probe_catchup_share: float = 0.03
+    probe_catchup_share: float = 0.08
     thompson: bool = False  # sample α from its posterior each round (exploration) instead of using the mean
     explore_every: int = 0  # every n-th speculative round tries a neighbouring γ (keeps the cost slope learnt)
     min_gain: float = 1.02  # speculate only when E/T beats plain decoding by this factor
