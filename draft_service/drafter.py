@@ -24,6 +24,7 @@ import numpy as np
 
 from draft_service.onnx_model import KVCache, OnnxCausalLM
 from specdec.errors import InvalidArgument
+from specdec.grammar import GrammarState
 from specdec.sampling import SamplingConfig, draft_distribution, sample_sparse
 
 logger = logging.getLogger("specdec.draft")
@@ -51,6 +52,9 @@ class DraftRequest:
     cfg: SamplingConfig
     rng: np.random.Generator
     min_confidence: float = 0.0
+    # structured output: the grammar state after ``committed``; q at every
+    # drafted position is masked by it (docs/design.md rule 10)
+    constraint: GrammarState | None = None
 
     def __post_init__(self) -> None:
         if not self.committed:
@@ -86,10 +90,13 @@ class Drafter(ABC):
         cfg: SamplingConfig,
         rng: np.random.Generator,
         min_confidence: float = 0.0,
+        constraint: GrammarState | None = None,
     ) -> Proposal:
         """committed: the whole committed sequence (>= 1 token), ids < vocab_size.
+        ``constraint``: the grammar state after ``committed`` (drafting may
+        advance it; the next call's ``follow`` rolls it back).
         Raises InvalidArgument for an empty context or ``num_tokens`` < 1."""
-        return self.draft(state, DraftRequest(committed, num_tokens, cfg, rng, min_confidence))
+        return self.draft(state, DraftRequest(committed, num_tokens, cfg, rng, min_confidence, constraint))
 
 
 @dataclass
@@ -159,6 +166,18 @@ def top_probability(logits: np.ndarray) -> float:
     return float(1.0 / np.exp(x - x.max()).sum())
 
 
+def masked(logits: np.ndarray, allowed: np.ndarray, vocab: VocabHook) -> np.ndarray | None:
+    """Candidate logits [M] with -inf where the grammar forbids the proposed
+    id (``allowed``: bool over the proposed vocabulary); None when it forbids all."""
+    ids = vocab.target_ids(np.arange(logits.shape[0]))
+    ok = np.zeros(ids.shape[0], dtype=bool)
+    inside = ids < allowed.shape[0]
+    ok[inside] = allowed[ids[inside]]
+    if not ok.any():
+        return None
+    return np.where(ok, logits, -np.inf)
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of ``a`` and ``b``."""
     n = min(len(a), len(b))
@@ -209,11 +228,17 @@ class DraftLoop:
             conf: list[float] = []
             for i in range(gamma):
                 x = self.vocab.restrict(logits)  # [M]
+                if req.constraint is not None:  # q masked by the grammar state after the tokens so far
+                    x = masked(x, req.constraint.allowed(), self.vocab)
+                    if x is None:
+                        break  # the grammar allows no candidate here
                 c = top_probability(x)
                 if i > 0 and c < req.min_confidence:
                     break
                 cand, probs = draft_distribution(x, req.cfg, self.max_support)  # indices into [M]
                 pick = sample_sparse(cand, probs, req.rng)
+                if req.constraint is not None:
+                    req.constraint.advance(self.vocab.target_id(pick))
                 ids.append(self.vocab.target_id(pick))
                 qs.append((self.vocab.target_ids(cand), probs))
                 conf.append(c)

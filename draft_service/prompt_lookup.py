@@ -111,12 +111,21 @@ class PromptLookupDrafter(Drafter):
         state.index.sync(req.committed)
         n, ids = state.index.lookup(req.num_tokens)
         state.last_ngram = n
+        ids = constrained(ids, req)
         if not ids:
             state.misses += 1
             return Proposal([], [])
         state.hits += 1
         q = [(np.array([x], dtype=np.int32), _ONE.copy()) for x in ids]
         return Proposal(list(ids), q, 0, [1.0] * len(ids))
+
+
+def constrained(ids: list[int], req: DraftRequest) -> list[int]:
+    """The proposal up to the first token the request's grammar forbids (a
+    one-hot q on such a token could only be rejected)."""
+    if req.constraint is None or not ids:
+        return ids
+    return list(ids[: req.constraint.allowed_prefix(ids)])
 
 
 @dataclass
@@ -180,6 +189,7 @@ class AutoDrafter(Drafter):
             state.pending = None
         state.lookup.index.sync(committed)
         n, ids = state.lookup.index.lookup(req.num_tokens)
+        ids = constrained(ids, req)
         if ids:
             state.pending = (len(committed), ids[0])
         if ids and n >= self.min_ngram and state.score >= self.threshold:

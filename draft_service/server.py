@@ -23,8 +23,9 @@ import numpy as np
 from draft_service.config import DrafterSpec, DraftServiceConfig
 from draft_service.drafter import Drafter, OnnxDrafter
 from draft_service.session_stream import SessionStream
-from draft_service.sessions import ProposeResult, SessionStore
+from draft_service.sessions import ProposeResult, SessionStore, grammar_state
 from specdec.errors import InvalidArgument, Unavailable
+from specdec.grammar import LazyGrammarCompiler
 from specdec.grpc_util import ModelWorker, ServerHandle, WorkTiming, drain, start_server, translate_errors
 from specdec.logging_util import log
 from specdec.metrics import ModelServiceMetrics, serve_metrics
@@ -50,6 +51,7 @@ class LoadedDrafter:
     max_context_tokens: int = 0
     intersection: int = 0  # tli: draft tokens whose bytes are target tokens
     token_ms: float = 0.0  # measured at warm-up: compute per drafted token of a 4-token round (0 = not measured)
+    grammars: LazyGrammarCompiler | None = None  # structured output over the ids it proposes (None: no tokenizer)
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,10 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         d = self._get(request.drafter)
         if self.draining:
             raise Unavailable("the draft replica is shutting down; create the session on another replica")
-        session = self.sessions.create(d.drafter, cfg, int(request.rng_offset))
-        return draft_pb2.CreateDraftSessionResponse(session_id=session.id, drafter=d.drafter.name)
+        grammar = await grammar_state(d.grammars, d.drafter.name, request)
+        session = self.sessions.create(d.drafter, cfg, int(request.rng_offset), grammar=grammar)
+        return draft_pb2.CreateDraftSessionResponse(session_id=session.id, drafter=d.drafter.name,
+                                                    grammar_applied=grammar is not None)
 
     @translate_errors
     async def Propose(
@@ -315,6 +319,7 @@ def load_drafter(spec: DrafterSpec, config: DraftServiceConfig, target: TargetVo
             pl, "prompt-lookup", "", target.fingerprint if target else "",
             list(target.eos_token_ids) if target else [], kind=spec.kind, device="cpu",
             max_context_tokens=target.max_context_tokens if target else 0,
+            grammars=LazyGrammarCompiler(target.tokenizer, target.vocab_size, target.eos_token_ids) if target else None,
         )
     model, hf_dir, model_name = _load_onnx_model(spec, config)
     tokenizer = _load_tokenizer(hf_dir, model.model_dir)
@@ -340,6 +345,7 @@ def load_drafter(spec: DrafterSpec, config: DraftServiceConfig, target: TargetVo
         return LoadedDrafter(
             tli, model_name, spec.precision, target.fingerprint, list(target.eos_token_ids), kind=spec.kind,
             device=model.device, max_context_tokens=model.max_cache_tokens, intersection=vm.size,
+            grammars=LazyGrammarCompiler(target.tokenizer, target.vocab_size, target.eos_token_ids),
         )
     fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else ""
     if not fingerprint:
@@ -350,6 +356,7 @@ def load_drafter(spec: DrafterSpec, config: DraftServiceConfig, target: TargetVo
     return LoadedDrafter(
         drafter, model_name, spec.precision, fingerprint, eos, kind=spec.kind, device=model.device,
         max_context_tokens=model.max_cache_tokens,
+        grammars=LazyGrammarCompiler(tokenizer, model.vocab_size, eos) if tokenizer is not None else None,
     )
 
 
@@ -364,6 +371,7 @@ def load_auto_drafter(spec: DrafterSpec, fallback: LoadedDrafter) -> LoadedDraft
         auto, f"auto(prompt-lookup, {fallback.model_name})", fallback.precision, fallback.tokenizer_fingerprint,
         list(fallback.eos_token_ids), kind=spec.kind, device=fallback.device,
         max_context_tokens=fallback.max_context_tokens, intersection=fallback.intersection,
+        grammars=fallback.grammars,
     )
 
 

@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 
 from draft_service.drafter import Proposal
-from draft_service.sessions import DraftSession, SessionStore
+from draft_service.sessions import DraftSession, SessionStore, grammar_state
 from draft_service.stream import ChainPaused, DraftChain, Step, StreamedToken
 from specdec.errors import InvalidArgument, SpecdecError, Unavailable
 from specdec.grpc_util import ModelWorker, WorkTiming
@@ -113,15 +113,16 @@ class SessionStream:
                 max_context=drafter.max_context_tokens, vocab_size=drafter.vocab_size,
                 draft_until=int(o.draft_until), min_confidence=float(o.min_confidence),
             )
-            session = self.sessions.create(drafter, cfg, int(o.rng_offset), streamed=True)
+            grammar = await grammar_state(loaded.grammars, drafter.name, o)
+            session = self.sessions.create(drafter, cfg, int(o.rng_offset), streamed=True, grammar=grammar)
             out: asyncio.Queue[Any] = asyncio.Queue()
             wake = asyncio.Event()
             tasks = [
                 asyncio.create_task(self._read(requests, session, chain, wake, out)),
                 asyncio.create_task(self._draft(session, chain, wake, out)),
             ]
-            yield draft_pb2.DraftSessionEvent(opened=draft_pb2.DraftOpened(session_id=session.id,
-                                                                           drafter=drafter.name))
+            yield draft_pb2.DraftSessionEvent(opened=draft_pb2.DraftOpened(
+                session_id=session.id, drafter=drafter.name, grammar_applied=grammar is not None))
             carry: Any = None  # an item taken while batching that ends the batch
             while True:
                 if carry is not None:
@@ -207,7 +208,8 @@ class SessionStream:
 
     async def _run(self, session: DraftSession, step: Step) -> tuple[Proposal, WorkTiming]:
         def propose() -> Proposal:
-            return session.drafter.propose(session.state, step.context, step.num_tokens, session.cfg, session.rng, 0.0)
+            return session.drafter.propose(session.state, step.context, step.num_tokens, session.cfg, session.rng, 0.0,
+                                           session.constraint(step.context))
 
         if session.drafter.inline:
             started = time.perf_counter()

@@ -9,6 +9,7 @@ run concurrently with itself; the single model worker guarantees that.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -19,7 +20,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from draft_service.drafter import Drafter, Proposal
-from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError
+from specdec.grammar import GrammarSpec, GrammarState, LazyGrammarCompiler
 from specdec.logging_util import log
 from specdec.sampling import SamplingConfig
 
@@ -38,6 +40,21 @@ class DraftSession:
     last_used: float = 0.0
     proposals: int = 0
     streamed: bool = False  # a Session stream's: ends with the stream, never reaped for idleness
+    grammar: GrammarState | None = None  # structured output: q is masked by it
+
+    def constraint(self, context: Sequence[int]) -> GrammarState | None:
+        """The grammar state after ``context`` (the committed tokens, plus a
+        stream's chain), or None without one. A context the grammar does not
+        allow drops it: the session drafts unmasked from then on (still
+        exact: the target masks p)."""
+        if self.grammar is None:
+            return None
+        try:
+            self.grammar.follow(context, 0)
+        except SpecdecError as e:
+            log(logger, logging.WARNING, "grammar dropped; drafting unmasked", session_id=self.id, error=e.message)
+            self.grammar = None
+        return self.grammar
 
 
 @dataclass(frozen=True)
@@ -71,7 +88,8 @@ class SessionStore:
         with self._lock:
             return list(self._sessions)
 
-    def create(self, drafter: Drafter, cfg: SamplingConfig, rng_offset: int = 0, streamed: bool = False) -> DraftSession:
+    def create(self, drafter: Drafter, cfg: SamplingConfig, rng_offset: int = 0, streamed: bool = False,
+               grammar: GrammarState | None = None) -> DraftSession:
         """A new session (``streamed``: owned by a Session stream). Seeded: stream ``rng_offset`` of the seed (0 = the
         seed's own stream; others are independent streams of the same seed,
         so a recreated session is reproducible but never replays the draws
@@ -91,7 +109,7 @@ class SessionStore:
             sid = uuid.uuid4().hex
             session = DraftSession(
                 id=sid, drafter=drafter, state=drafter.new_state(), cfg=cfg, rng=rng, created=now, last_used=now,
-                streamed=streamed,
+                streamed=streamed, grammar=grammar,
             )
             self._sessions[sid] = session
             self.created_total += 1
@@ -160,8 +178,27 @@ class SessionStore:
                 f"base_len {base_len} exceeds the {len(session.committed)} committed tokens the session knows"
             )
         committed = session.committed[:base_len] + [int(t) for t in new_token_ids]
-        proposal = drafter.propose(session.state, committed, num_tokens, session.cfg, session.rng, min_confidence)
+        proposal = drafter.propose(session.state, committed, num_tokens, session.cfg, session.rng, min_confidence,
+                                   session.constraint(committed))
         session.committed = committed
         session.proposals += 1
         session.last_used = self._clock()
         return ProposeResult(proposal, len(committed))
+
+
+async def grammar_state(grammars: LazyGrammarCompiler | None, drafter: str, request: Any) -> GrammarState | None:
+    """The grammar state of a new session (``request``: a CreateDraftSessionRequest
+    or DraftOpen), compiled off the event loop; None without a grammar, and
+    when the drafter cannot apply it (it then drafts unmasked q, which the
+    target's verification keeps exact; the target refuses a bad grammar)."""
+    spec = GrammarSpec.from_proto(request.grammar) if request.HasField("grammar") else None
+    if spec is None:
+        return None
+    if grammars is None:
+        log(logger, logging.WARNING, "no tokenizer for structured output; drafting unmasked", drafter=drafter)
+        return None
+    try:
+        return await asyncio.to_thread(grammars.state, spec, int(request.grammar_start))
+    except (SpecdecError, ValueError) as e:
+        log(logger, logging.WARNING, "grammar not applied; drafting unmasked", drafter=drafter, error=str(e)[:200])
+        return None

@@ -10,12 +10,12 @@ from typing import Any, Sequence
 import grpc
 import numpy as np
 
-from orchestrator.protocols import PostToken, PrefillReply, ProposeReply, VerifyReply
+from orchestrator.protocols import PostToken, PrefillReply, ProposeReply, SessionOptions, VerifyReply
 from orchestrator.runahead import StreamPause, StreamToken
-from specdec.errors import DeadlineExceeded, SpecdecError, Unavailable, from_rpc_error
+from specdec.errors import DeadlineExceeded, FailedPrecondition, SpecdecError, Unavailable, from_rpc_error
 from specdec.grpc_util import channel_options
 from specdec.tls import TlsClientConfig, aio_channel
-from specdec.sampling import SamplingConfig, SparseQ
+from specdec.sampling import SamplingConfig, SparseQ, TokenLogprob
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
@@ -24,6 +24,17 @@ def sampling_proto(cfg: SamplingConfig) -> common_pb2.SamplingParams:
     if cfg.seed is not None:
         msg.seed = cfg.seed
     return msg
+
+
+def logprobs_from_proto(msgs: Sequence[common_pb2.TokenLogprobs]) -> list[TokenLogprob]:
+    return [TokenLogprob(m.chosen.token_id, m.chosen.logprob, [(t.token_id, t.logprob) for t in m.top]) for m in msgs]
+
+
+def set_grammar(req: Any, opts: SessionOptions) -> None:
+    """Structured output on a Prefill, CreateDraftSession or DraftOpen request."""
+    if opts.grammar is not None:
+        opts.grammar.to_proto(req.grammar)
+        req.grammar_start = opts.grammar_start
 
 
 def make_channel(address: str, max_message_bytes: int, tls: TlsClientConfig | None = None) -> grpc.aio.Channel:
@@ -78,6 +89,10 @@ class GrpcTargetClient(_GrpcClient):
         self._close_stream(session_id)
         await super().release(session_id, timeout)
 
+    def _background_release(self, session_id: str) -> None:
+        task = asyncio.ensure_future(self.release(session_id, 5.0))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
     async def _verify_rpc(self, session_id: str, req: target_pb2.VerifyRequest, timeout: float | None) -> Any:
         if not self.verify_stream:
             return await self._rpc("Verify", req, timeout)
@@ -108,18 +123,27 @@ class GrpcTargetClient(_GrpcClient):
             raise
 
     async def prefill(
-        self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int, timeout: float | None
+        self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int, timeout: float | None,
+        options: SessionOptions | None = None,
     ) -> PrefillReply:
+        opts = options or SessionOptions()
         req = target_pb2.PrefillRequest(
-            token_ids=token_ids, sampling=sampling_proto(cfg), sample_next_token=sample_next, rng_offset=rng_offset
+            token_ids=token_ids, sampling=sampling_proto(cfg), sample_next_token=sample_next, rng_offset=rng_offset,
+            return_logprobs=opts.top_logprobs >= 0, top_logprobs=max(0, opts.top_logprobs),
         )
+        set_grammar(req, opts)
         r = await self._rpc("Prefill", req, timeout)
+        if opts.grammar is not None and not r.grammar_applied:
+            self._background_release(r.session_id)
+            raise FailedPrecondition("target: this replica does not support structured output (an older version)")
         return PrefillReply(
             r.session_id,
             r.next_token_id if r.has_next_token else None,
             r.next_token_logit_gap,
             r.cache_len,
             r.timings.compute_ms,
+            logprobs_from_proto([r.next_token_logprobs]) if r.HasField("next_token_logprobs") else [],
+            r.grammar_dead_end,
         )
 
     async def verify(
@@ -157,6 +181,8 @@ class GrpcTargetClient(_GrpcClient):
             r.timings.batch_size or 1,
             r.timings.batch_tokens,
             r.next_is_post,
+            logprobs_from_proto(r.logprobs),
+            r.grammar_dead_end,
         )
 
 
@@ -275,8 +301,10 @@ class GrpcDraftClient(_GrpcClient):
         super().__init__(draft_pb2_grpc.DraftStub(channel))
         self.batch_events = batch_events
 
-    async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None, rng_offset: int = 0) -> str:
+    async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None, rng_offset: int = 0,
+                     options: SessionOptions | None = None) -> str:
         req = draft_pb2.CreateDraftSessionRequest(sampling=sampling_proto(cfg), drafter=drafter, rng_offset=rng_offset)
+        set_grammar(req, options or SessionOptions())
         r = await self._rpc("CreateSession", req, timeout)
         return r.session_id
 
@@ -309,6 +337,7 @@ class GrpcDraftClient(_GrpcClient):
         draft_until: int,
         min_confidence: float,
         timeout: float | None,
+        options: SessionOptions | None = None,
     ) -> GrpcDraftStream:
         """Opens a ``Draft/Session`` stream (no deadline: it lives as long as
         the generation; ``timeout`` bounds the open)."""
@@ -316,6 +345,7 @@ class GrpcDraftClient(_GrpcClient):
         req = draft_pb2.DraftSessionRequest(open=draft_pb2.DraftOpen(
             sampling=sampling_proto(cfg), drafter=drafter, rng_offset=rng_offset, token_ids=token_ids,
             draft_until=draft_until, min_confidence=min_confidence, batch_events=self.batch_events))
+        set_grammar(req.open, options or SessionOptions())
         try:
             await stream._open(req, timeout)
         except grpc.RpcError as e:

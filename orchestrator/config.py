@@ -65,6 +65,10 @@ class OrchestratorConfig:
     # instead of one message per drafted token; a draft that predates it sends
     # one per token either way.
     draft_batch_events: bool = True
+    # Structured output: send the request's grammar to the draft too, so that
+    # it drafts under the same mask (False: the draft proposes unmasked q;
+    # output unchanged, acceptance lower).
+    draft_grammar: bool = True
     release_timeout_s: float = 2.0
     max_message_bytes: int = 8 * 1024 * 1024
     metrics_port: int = 0  # Prometheus /metrics HTTP port; 0 = off (`specdec up` uses 9464)

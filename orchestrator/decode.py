@@ -24,12 +24,12 @@ import numpy as np
 
 from orchestrator.policy import DraftLengthPolicy, RoundObservation
 from orchestrator.protocols import (
-    DraftClient, DraftStream, PostToken, ProposeReply, RoundSink, TargetClient, VerifyReply,
+    DraftClient, DraftStream, PostToken, ProposeReply, RoundSink, SessionOptions, TargetClient, VerifyReply,
 )
 from orchestrator.runahead import ChainTracker, StreamFault, StreamToken
 from specdec.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, SpecdecError, Unavailable
 from specdec.logging_util import log
-from specdec.sampling import SamplingConfig, SparseQ
+from specdec.sampling import SamplingConfig, SparseQ, TokenLogprob
 
 logger = logging.getLogger("specdec.orchestrator")
 
@@ -87,6 +87,8 @@ class Step:
 
     token_ids: list[int]
     logit_gaps: list[float]
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, with options.top_logprobs
+    dead_end: bool = False  # structured output: the grammar allows no token after these; the sequence ends
 
 
 @dataclass
@@ -111,6 +113,8 @@ class DecodeParams:
     # run_ahead_tokens past the span while the target verifies it
     draft_mode: str = "unary"
     run_ahead_tokens: int = 8
+    options: SessionOptions = field(default_factory=SessionOptions)  # kept by the target session (logprobs, grammar)
+    draft_options: SessionOptions = field(default_factory=SessionOptions)  # kept by the draft session (grammar)
 
 
 class Decoder:
@@ -164,7 +168,8 @@ class Decoder:
             self._background(self.target.release(old, self.p.release_timeout_s))
         log(logger, logging.WARNING, "rebuilding target session", old_session=old, tokens=len(self.committed))
         reply = await self.target.prefill(
-            self.committed[:-1], self.p.sampling, False, len(self.committed), self._timeout(self.p.target_timeout_s)
+            self.committed[:-1], self.p.sampling, False, len(self.committed), self._timeout(self.p.target_timeout_s),
+            self.p.options,
         )
         self.target_sid = reply.session_id
         self.target_cache_len = reply.cache_len
@@ -175,7 +180,8 @@ class Decoder:
         assert self.draft is not None
         try:
             self.draft_sid = await self.draft.create(
-                self.p.sampling, self.p.drafter, self._timeout(self.p.draft_timeout_s), self.draft_sessions
+                self.p.sampling, self.p.drafter, self._timeout(self.p.draft_timeout_s), self.draft_sessions,
+                self.p.draft_options,
             )
             self.draft_sessions += 1  # the next session (if this one is lost) gets a fresh stream
             self.draft_known = 0
@@ -261,7 +267,7 @@ class Decoder:
             draft_task = asyncio.create_task(self._open_stream(0) if self.streamed else self._create_draft())
         try:
             reply = await self.target.prefill(
-                self.p.prompt_ids, self.p.sampling, True, 0, self._timeout(self.p.target_timeout_s)
+                self.p.prompt_ids, self.p.sampling, True, 0, self._timeout(self.p.target_timeout_s), self.p.options
             )
             self.target_sid, self.target_cache_len = reply.session_id, reply.cache_len
         finally:
@@ -269,13 +275,16 @@ class Decoder:
                 await draft_task
         self.stats.verify_ms += reply.compute_ms
         self.stats.prefill_ms += reply.compute_ms
+        if reply.dead_end:  # structured output: the grammar allows no first token
+            yield Step([], [], [], dead_end=True)
+            return
         assert reply.next_token is not None
         self.committed.append(reply.next_token)
         self.stats.first_token_at = time.perf_counter()
         gamma, min_conf = self._choose()
         await self._stream_commit(0, gamma, min_conf)
         round_start = time.perf_counter()
-        yield Step([reply.next_token], [reply.logit_gap])
+        yield Step([reply.next_token], [reply.logit_gap], reply.logprobs)
 
         self._continued = False  # the previous round's whole span was accepted
         while self.generated < self.p.max_new_tokens:
@@ -314,13 +323,16 @@ class Decoder:
                 max(0.0, (done - round_start) * 1e3 - verified.compute_ms - verified.queue_ms - exposed)
             )
             self._record(gamma, proposal, draft_ids, verified, verify_wall_ms, tokens_in_pass)
-            new = draft_ids[: verified.num_accepted] + [verified.next_token]
+            new = draft_ids[: verified.num_accepted] + ([] if verified.dead_end else [verified.next_token])
             self.stats.committed_in_rounds += len(new)
             self.committed.extend(new)
+            if verified.dead_end:
+                yield Step(new, verified.logit_gaps, verified.logprobs, dead_end=True)
+                return
             gamma, min_conf = self._choose()
             await self._stream_commit(verified.num_accepted, gamma, min_conf)
             round_start = time.perf_counter()
-            yield Step(new, verified.logit_gaps)
+            yield Step(new, verified.logit_gaps, verified.logprobs)
 
     def _record(
         self, gamma: int, proposal: ProposeReply | None, draft_ids: list[int], verified: VerifyReply,
@@ -373,7 +385,7 @@ class Decoder:
         try:
             self.stream = await self.draft.open_stream(
                 self.p.sampling, self.p.drafter, self.draft_sessions, list(self.committed), self._draft_until(gamma),
-                min_conf, self._timeout(self.p.draft_timeout_s),
+                min_conf, self._timeout(self.p.draft_timeout_s), self.p.draft_options,
             )
         except InvalidArgument as e:
             raise UnknownDrafter(f"speculation.drafter: {e.message}") from None

@@ -13,9 +13,22 @@ from typing import Protocol, Sequence
 
 from orchestrator.policy import RoundObservation
 from orchestrator.runahead import StreamPause, StreamToken
-from specdec.sampling import SamplingConfig, SparseQ
+from specdec.grammar import GrammarSpec
+from specdec.sampling import SamplingConfig, SparseQ, TokenLogprob
 
 PostToken = tuple[int, "SparseQ | None"]  # a drafted token at the bonus position and its q (None: one-hot)
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """What a session keeps for its request besides sampling: logprobs of
+    every emitted token with ``top_logprobs`` top tokens (-1 = none; target
+    only), and structured output: the grammar the tokens from index
+    ``grammar_start`` (the prompt's length) on must match."""
+
+    top_logprobs: int = -1
+    grammar: GrammarSpec | None = None
+    grammar_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -25,6 +38,8 @@ class PrefillReply:
     logit_gap: float
     cache_len: int
     compute_ms: float
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the next token's, with SessionOptions.top_logprobs
+    dead_end: bool = False  # the grammar allows no first token (next_token is None)
 
 
 @dataclass(frozen=True)
@@ -39,6 +54,8 @@ class VerifyReply:
     batch_size: int = 1  # rows in the target's forward pass that served this call
     batch_tokens: int = 0  # real input tokens in that forward pass
     is_post: bool = False  # next_token is the post-verified drafted token
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per emitted token, with SessionOptions.top_logprobs
+    dead_end: bool = False  # the grammar allows no token after the accepted ones (next_token is not one)
 
 
 @dataclass(frozen=True)
@@ -55,7 +72,8 @@ class ProposeReply:
 
 class TargetClient(Protocol):
     async def prefill(
-        self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int, timeout: float | None
+        self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int, timeout: float | None,
+        options: SessionOptions | None = None,
     ) -> PrefillReply: ...
 
     async def verify(
@@ -88,7 +106,8 @@ class DraftStream(Protocol):
 
 
 class DraftClient(Protocol):
-    async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None, rng_offset: int = 0) -> str:
+    async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None, rng_offset: int = 0,
+                     options: SessionOptions | None = None) -> str:
         """A draft session; ``rng_offset`` picks a fresh random stream of a
         seeded request for each session it recreates (docs/design.md rule 6)."""
 
@@ -106,7 +125,7 @@ class DraftClient(Protocol):
 
     async def open_stream(
         self, cfg: SamplingConfig, drafter: str, rng_offset: int, token_ids: Sequence[int], draft_until: int,
-        min_confidence: float, timeout: float | None,
+        min_confidence: float, timeout: float | None, options: SessionOptions | None = None,
     ) -> DraftStream: ...
 
 

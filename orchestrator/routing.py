@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Generic, Protocol, Sequence, TypeVar
 
 from orchestrator.config import RoutingConfig
-from orchestrator.protocols import PostToken, PrefillReply, ProposeReply, VerifyReply
+from orchestrator.protocols import PostToken, PrefillReply, ProposeReply, SessionOptions, VerifyReply
 from specdec.errors import NotFound, ResourceExhausted, SpecdecError, Unavailable
 from specdec.logging_util import log
 from specdec.sampling import SamplingConfig, SparseQ
@@ -437,11 +437,12 @@ class RoutedTarget(_Bound[Any]):
     loop's rebuild (a Prefill) lands on the next replica."""
 
     async def prefill(
-        self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int, timeout: float | None
+        self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int, timeout: float | None,
+        options: SessionOptions | None = None,
     ) -> PrefillReply:
         r, reply = await self.pool.first_success(
             self.pool.target_order(self.key),
-            lambda c: c.prefill(token_ids, cfg, sample_next, rng_offset, timeout),
+            lambda c: c.prefill(token_ids, cfg, sample_next, rng_offset, timeout, options),
         )
         self._opened(r, reply.session_id)
         return reply
@@ -471,9 +472,10 @@ class RoutedDraft(_Bound[Any]):
     loaded of two random replicas. A replica that fails reports the session
     lost (NOT_FOUND), so the decode loop recreates it on another replica."""
 
-    async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None, rng_offset: int = 0) -> str:
+    async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None, rng_offset: int = 0,
+                     options: SessionOptions | None = None) -> str:
         r, sid = await self.pool.first_success(self.pool.draft_order(),
-                                               lambda c: c.create(cfg, drafter, timeout, rng_offset))
+                                               lambda c: c.create(cfg, drafter, timeout, rng_offset, options))
         self._opened(r, sid)
         return str(sid)
 
@@ -507,12 +509,14 @@ class RoutedDraft(_Bound[Any]):
         draft_until: int,
         min_confidence: float,
         timeout: float | None,
+        options: SessionOptions | None = None,
     ) -> Any:
         """A draft Session stream on the less loaded of two random replicas;
         it counts as one of that replica's sessions until ``stream_closed``."""
         r, stream = await self.pool.first_success(
             self.pool.draft_order(),
-            lambda c: c.open_stream(cfg, drafter, rng_offset, token_ids, draft_until, min_confidence, timeout),
+            lambda c: c.open_stream(cfg, drafter, rng_offset, token_ids, draft_until, min_confidence, timeout,
+                                    options),
         )
         self._opened(r, stream.session_id)
         return stream

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable
 
 import grpc
@@ -20,12 +20,16 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.decode import DRAFT_MODES, DecodeParams, Decoder, RequestStats
 from orchestrator.detokenizer import IncrementalDetokenizer, StopMatcher
 from orchestrator.policy import AdaptiveConfig, PolicyFactory
+from orchestrator.protocols import SessionOptions
 from orchestrator.routing import Router
 from orchestrator.telemetry import MetricsSink
 from specdec.errors import InvalidArgument, SpecdecError
+from specdec.grammar import GrammarSpec
 from specdec.logging_util import log
 from specdec.metrics import OrchestratorMetrics
-from specdec.sampling import SamplingConfig
+from specdec.sampling import MAX_TOP_LOGPROBS, SamplingConfig, TokenLogprob
+from specdec.tokenization import token_table
+from specdec.v1 import common_pb2
 from specdec.v1 import orchestrator_pb2 as pb
 from specdec.v1 import orchestrator_pb2_grpc
 
@@ -78,6 +82,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     ) -> None:
         self.cfg = config
         self.tokenizer = tokenizer
+        self._token_bytes: Callable[[int], bytes] | None = None  # id -> bytes, built at the first logprobs request
         self.target = target
         self.draft = draft
         self.limits = limits
@@ -187,6 +192,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         for s in req.stop:
             if not s or len(s) > self.cfg.max_stop_string_chars:
                 raise InvalidArgument(f"stop strings must be 1..{self.cfg.max_stop_string_chars} characters")
+        if req.top_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+        if req.top_logprobs and not req.return_logprobs:
+            raise InvalidArgument("top_logprobs needs return_logprobs")
+        grammar = GrammarSpec.from_proto(req.structured_output) if req.HasField("structured_output") else None
+        options = SessionOptions(top_logprobs=int(req.top_logprobs) if req.return_logprobs else -1,
+                                 grammar=grammar, grammar_start=len(prompt_ids))
         spec = req.speculation
         if spec.num_draft_tokens > self.cfg.max_num_draft_tokens:
             raise InvalidArgument(
@@ -226,6 +238,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             context_limited=context_limited,
             draft_mode=draft_mode,
             run_ahead_tokens=self.cfg.run_ahead_tokens,
+            options=options,
+            draft_options=replace(options, top_logprobs=-1, grammar=options.grammar if self.cfg.draft_grammar else None),
         )
 
     # -------------------------------------------------------------- Generate
@@ -309,6 +323,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             remaining = context.time_remaining()
             deadline = time.monotonic() + remaining if remaining is not None else None
             prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
+            if request.return_logprobs and self._token_bytes is None:
+                await asyncio.to_thread(self._load_token_bytes)  # once: the tokenizer's id -> bytes table
             params = self._params(request, prompt_ids, deadline)
             key = uuid.uuid4().hex  # the session-affinity key of this request's target session
             decoder = Decoder(self.target.bind(key), self.draft.bind(key) if self.draft else None, params)
@@ -339,6 +355,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             async for step in steps:
                 ids: list[int] = []
                 gaps: list[float] = []
+                lps = step.logprobs[: len(step.token_ids)]
                 done = False
                 for tok, gap in zip(step.token_ids, step.logit_gaps + [0.0] * len(step.token_ids)):
                     ids.append(tok)
@@ -351,6 +368,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     if emitted >= max_new:
                         finish, done = at_max, True
                         break
+                if step.dead_end and not done:
+                    finish, done = pb.FINISH_REASON_GRAMMAR_DEAD_END, True
                 text = stops.push(detok.push(ids))
                 if stops.stopped:
                     finish, done = pb.FINISH_REASON_STOP, True
@@ -358,10 +377,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     text += stops.push(detok.flush()) if not stops.stopped else ""
                     text += stops.flush()
                     rec.finish = finish
-                    yield self._chunk(text, ids, gaps, req, finish, decoder, emitted)
+                    yield self._chunk(text, ids, gaps, req, finish, decoder, emitted, lps[: len(ids)])
                     return
                 if text or ids:
-                    yield self._chunk(text, ids, gaps, req, None, None, emitted)
+                    yield self._chunk(text, ids, gaps, req, None, None, emitted, lps)
             # the loop ended on max_new_tokens exactly at a round boundary
             rec.finish = finish
             yield self._chunk(stops.flush(), [], [], req, finish, decoder, emitted)
@@ -377,8 +396,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         finish: int | None,
         decoder: Decoder | None,
         emitted: int,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> pb.GenerateResponse:
         msg = pb.GenerateResponse(text=text, token_ids=ids)
+        if req.return_logprobs and logprobs:
+            msg.logprobs.extend(self._logprobs_proto(logprobs))
         stats = decoder.stats if decoder is not None else None
         policy_name = decoder.p.policy.name if decoder is not None else ""
         drafter = decoder.p.drafter_label if decoder is not None and decoder.draft else ""
@@ -393,6 +415,22 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             if stats.first_token_at is not None:
                 self.metrics.ttft.observe(stats.first_token_at - stats.started)
         return msg
+
+
+    def _load_token_bytes(self) -> Callable[[int], bytes]:
+        if self._token_bytes is None:
+            self._token_bytes = token_table(self.tokenizer).get
+        return self._token_bytes
+
+    def _logprobs_proto(self, lps: list[TokenLogprob]) -> list[common_pb2.TokenLogprobs]:
+        """The target's logprobs with each token's bytes."""
+        tb = self._token_bytes or self._load_token_bytes()
+
+        def one(token_id: int, logprob: float) -> common_pb2.TokenLogprob:
+            return common_pb2.TokenLogprob(token_id=token_id, logprob=logprob, token=tb(token_id))
+
+        return [common_pb2.TokenLogprobs(chosen=one(lp.token_id, lp.logprob), top=[one(t, v) for t, v in lp.top])
+                for lp in lps]
 
 
 def stats_proto(s: RequestStats, generated: int) -> pb.GenerationStats:

@@ -69,14 +69,17 @@ class SamplingConfig:
             raise InvalidArgument(f"sampling.top_k must be in [0, {MAX_TOP_K}] (0 = disabled), got {self.top_k}")
 
 
-def process_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """Turns raw logits into the distribution plain sampling draws from.
+def processed_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """The logits of the distribution plain sampling draws from, -inf outside
+    its support: logits [k, V] (any float dtype) -> [k, V] float32.
 
-    logits: [k, V] (any float dtype) -> probs: [k, V] float32.
     Order and semantics follow Hugging Face ``generate``: temperature, then
     top-k (ties at the k-th value kept), then top-p (smallest set whose mass
-    reaches top_p; the top token always kept). Not for greedy configs.
+    reaches top_p; the top token always kept). A greedy config gives the raw
+    logits (temperature 1, no truncation): the distribution logprobs report.
     """
+    if cfg.greedy:
+        return logits.float()
     x = logits.float() / cfg.temperature
     vocab = x.shape[-1]
     if 0 < cfg.top_k < vocab:
@@ -89,7 +92,46 @@ def process_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         remove_sorted[..., -1] = False  # keep at least the top token
         remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
         x = x.masked_fill(remove, float("-inf"))
-    return x.softmax(dim=-1)
+    return x
+
+
+def process_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Turns raw logits into the distribution plain sampling draws from
+    (:func:`processed_logits`, softmaxed): [k, V] -> probs [k, V] float32.
+    Not for greedy configs."""
+    return processed_logits(logits, cfg).softmax(dim=-1)
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability and the ``top`` most likely tokens
+    at its position as (id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(
+    logits: torch.Tensor, cfg: SamplingConfig, tokens: Sequence[int], top_n: int
+) -> list[TokenLogprob]:
+    """Logprobs of ``tokens`` (one per row of ``logits`` [k, V]) under the
+    distribution each was drawn from (:func:`processed_logits`: after
+    temperature, top-k and top-p; the raw logits for greedy), with the
+    ``top_n`` most likely tokens of each row (fewer where the support is
+    smaller). A token outside the support gets -inf (it cannot be emitted)."""
+    lp = torch.log_softmax(processed_logits(logits, cfg), dim=-1)  # [k, V]
+    rows = lp[: len(tokens)]
+    chosen = rows.gather(1, torch.as_tensor(list(tokens), dtype=torch.long)[:, None])[:, 0].tolist()
+    top: list[list[tuple[int, float]]] = [[] for _ in tokens]
+    if top_n > 0:
+        vals, ids = torch.topk(rows, min(top_n, rows.shape[-1]), dim=-1)
+        for i, (v, t) in enumerate(zip(vals.tolist(), ids.tolist())):
+            top[i] = [(int(a), float(b)) for a, b in zip(t, v) if b != float("-inf")]
+    return [TokenLogprob(int(t), float(c), tp) for t, c, tp in zip(tokens, chosen, top)]
 
 
 def logit_gaps(logits: torch.Tensor) -> list[float]:
@@ -290,6 +332,8 @@ def draft_distribution(
         keep = int(np.searchsorted(cum, cfg.top_p, side="left")) + 1
         ids, probs = ids[:keep], probs[:keep]
         probs = probs / probs.sum()
+    keep = probs > 0  # -inf logits (a grammar's mask) have no mass and stay off the wire
+    ids, probs = ids[keep], probs[keep]
     probs32 = probs.astype(np.float32)
     probs32 /= probs32.sum(dtype=np.float32)
     return ids.astype(np.int32), probs32

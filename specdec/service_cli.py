@@ -17,8 +17,9 @@ import signal
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-# The ports the three services listen on by default (``specdec serve`` and ``up``).
-DEFAULT_PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053}
+# The ports the services listen on by default (``specdec serve`` and ``up``);
+# the gateway's is HTTP (vLLM's convention).
+DEFAULT_PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053, "gateway": 8000}
 
 
 def cli_error(message: str) -> SystemExit:

@@ -1,8 +1,8 @@
 """The ``specdec`` command line.
 
 ``serve <service>`` hands over to the service's own flags and config builder
-(``target_service/cli.py``, ``draft_service/cli.py``, ``orchestrator/cli.py``);
-``up`` composes them into three child processes; ``generate``, ``health``,
+(``target_service/cli.py``, ``draft_service/cli.py``, ``orchestrator/cli.py``,
+``gateway/cli.py``); ``up`` composes them into child processes; ``generate``, ``health``,
 ``models``, ``bench`` and ``loadbench`` are the entry points on top.
 """
 
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from draft_service import cli as draft_cli
+from gateway import cli as gateway_cli
 from orchestrator import cli as orchestrator_cli
 from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdec.service_cli import add_common_flags
@@ -63,10 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_up_command(sub)
 
     serve = sub.add_parser("serve", help="run one service (for containers)")
-    services = serve.add_subparsers(dest="service", required=True, metavar="{target,draft,orchestrator}")
+    services = serve.add_subparsers(dest="service", required=True, metavar="{target,draft,orchestrator,gateway}")
     target_cli.add_serve_command(services)
     draft_cli.add_serve_command(services)
     orchestrator_cli.add_serve_command(services)
+    gateway_cli.add_serve_command(services)
 
     add_client_commands(sub)
 

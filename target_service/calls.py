@@ -5,10 +5,11 @@ engine returns for it, and the forward pass that served it. Plain data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
-from specdec.sampling import SamplingConfig, SparseQ, VerifyResult
+from specdec.grammar import GrammarState
+from specdec.sampling import SamplingConfig, SparseQ, TokenLogprob, VerifyResult
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,8 @@ class PrefillOutcome:
     next_token: int | None
     logit_gap: float
     cache_len: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the next token's, when the session asked
+    dead_end: bool = False  # the grammar allows no first token (next_token is None)
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,9 @@ class VerifyOutcome:
     result: VerifyResult
     cache_len: int
     logit_gaps: list[float]  # one per committed token (accepted + next)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the same tokens', when the session asked
+    # the grammar allows no token after the accepted ones: result.next_token is not emitted
+    dead_end: bool = False
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,8 @@ class PrefillCall:
     cfg: SamplingConfig
     sample_next: bool
     rng_offset: int = 0
+    top_logprobs: int = -1  # the session reports logprobs with this many top tokens; -1 = none
+    grammar: GrammarState | None = None  # structured output: the new session's grammar state (a fresh copy)
 
     session_id = ""  # a new session: never collides with another call in a batch
 

@@ -37,9 +37,12 @@ from specdec.sampling import (
     process_logits,
     rejection_sample,
     sample,
+    token_logprobs,
 )
 from specdec.tokenization import eos_token_ids
+from specdec.grammar import GrammarState, LazyGrammarCompiler
 from target_service.calls import Call, ForwardInfo, Outcome, PrefillCall, PrefillOutcome, VerifyCall, VerifyOutcome
+from target_service.constrained import mask_rows
 from target_service.loading import load_model, output_vocab_size, parse_dtype, pick_device, set_threads
 
 logger = logging.getLogger("specdec.target")
@@ -53,6 +56,8 @@ class TargetSession:
     cache: DynamicCache
     cache_len: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    top_logprobs: int = -1  # logprobs of every emitted token with this many top tokens; -1 = none
+    grammar: GrammarState | None = None  # structured output: follows the committed tokens
 
 
 @dataclass
@@ -119,6 +124,7 @@ class TargetEngine:
         self._sessions: OrderedDict[str, TargetSession] = OrderedDict()  # LRU order
         self._lock = threading.Lock()  # guards the dict against the reaper
         self.evictions = 0
+        self.grammars: LazyGrammarCompiler | None = None  # structured output; set with the tokenizer (server.py)
 
     # ------------------------------------------------------------------ state
     @property
@@ -357,7 +363,11 @@ class TargetEngine:
             cfg=cfg,
             generator=make_generator(seed),
             cache=DynamicCache(config=self.model.config),
+            top_logprobs=call.top_logprobs,
+            grammar=call.grammar,
         )
+        if sess.grammar is not None:
+            sess.grammar.follow(token_ids, 0)  # a rebuilt session's generated tokens (prompt tokens are skipped)
         return _Row(call, sess, list(token_ids), 1, 0)
 
     def _prepare_verify(self, call: VerifyCall, protect: set[str], reserved: int) -> _Row:
@@ -377,6 +387,8 @@ class TargetEngine:
             raise FailedPrecondition(
                 f"cache_len mismatch: session holds {sess.cache_len} tokens, request assumes {call.cache_len}"
             )
+        if sess.grammar is not None:
+            sess.grammar.follow(new_ids, sess.cache_len)  # usually the token this session emitted last
         total = sess.cache_len + len(new_ids) + len(draft_ids)
         if total >= self.max_context:
             raise InvalidArgument(f"sequence of {total} tokens exceeds the context of {self.max_context} tokens")
@@ -389,34 +401,57 @@ class TargetEngine:
         sess.cache_len = len(call.token_ids)
         nxt: int | None = None
         gap = 0.0
+        lps = []
+        dead = False
         if call.sample_next:
-            nxt = self._pick(logits[-1], sess)
-            gap = logit_gaps(logits[-1:])[0]
+            last = logits[-1:]
+            if sess.grammar is not None:
+                masked = mask_rows(sess.grammar, last, [])
+                last, dead = masked.logits, masked.dead_row is not None
+            if not dead:
+                nxt = self._pick(last[0], sess)
+                gap = logit_gaps(last)[0]
+                if sess.top_logprobs >= 0:
+                    lps = token_logprobs(last, sess.cfg, [nxt], sess.top_logprobs)
+                if sess.grammar is not None:
+                    sess.grammar.follow([nxt], len(call.token_ids))
         with self._lock:
             self._sessions[sess.session_id] = sess
-        return PrefillOutcome(sess.session_id, nxt, gap, sess.cache_len)
+        return PrefillOutcome(sess.session_id, nxt, gap, sess.cache_len, lps, dead)
 
     def _finish_verify(self, row: _Row, rows: torch.Tensor) -> VerifyOutcome:
         """``rows``: [γ+1, V] logits; row i scores draft_ids[i], row γ the
         bonus (or, when every drafted token is accepted, the post token)."""
         sess, call = row.sess, row.call
         assert isinstance(call, VerifyCall)
-        draft_ids = call.draft_ids
+        draft_ids, draft_q, post_id = call.draft_ids, call.draft_q, call.post_id
         gamma = len(draft_ids)
+        dead: int | None = None
+        if sess.grammar is not None:  # the constrained p at every row (target_service/constrained.py)
+            masked = mask_rows(sess.grammar, rows, draft_ids)
+            rows, dead = masked.logits, masked.dead_row
+            if dead is not None:  # no token allowed at row `dead`: verify the span before it, then stop
+                draft_ids, draft_q, post_id = draft_ids[:dead], draft_q[:dead], None
+                rows = rows[: dead + 1]
         if sess.cfg.greedy:
-            res = greedy_verify(draft_ids, torch.argmax(rows, dim=-1).tolist(), call.post_id)
+            res = greedy_verify(draft_ids, torch.argmax(rows, dim=-1).tolist(), post_id)
         else:
             # γ = 0 without a post token: one multinomial draw from row 0, as plain sampling
             probs = process_logits(rows, sess.cfg)
-            post = None if call.post_id is None else (call.post_id, call.post_q)
-            res = rejection_sample(draft_ids, call.draft_q, probs, sess.generator, post)
+            post = None if post_id is None else (post_id, call.post_q)
+            res = rejection_sample(draft_ids, draft_q, probs, sess.generator, post)
+        dead_end = dead is not None and res.num_accepted == dead
         keep = sess.cache_len + len(call.new_ids) + res.num_accepted
         written = sess.cache_len + len(call.new_ids) + gamma
         if written > keep:
             sess.cache.crop(keep - written)  # negative: tokens to remove
+        tokens = list(draft_ids[: res.num_accepted]) + ([] if dead_end else [res.next_token])
+        if sess.grammar is not None:
+            sess.grammar.follow(tokens, sess.cache_len + len(call.new_ids))
         sess.cache_len = keep
-        gaps = logit_gaps(rows[: res.num_accepted + 1])
-        return VerifyOutcome(res, keep, gaps)
+        emitted = rows[: len(tokens)]
+        lps = token_logprobs(emitted, sess.cfg, tokens, sess.top_logprobs) if sess.top_logprobs >= 0 else []
+        return VerifyOutcome(res, keep, logit_gaps(emitted) if tokens else [], lps, dead_end)
 
     def run_batch(self, calls: Sequence[Call]) -> list[tuple[Outcome | SpecdecError | Exception, ForwardInfo]]:
         """Serves several Prefill/Verify calls (from different sessions) with one
@@ -505,9 +540,10 @@ class TargetEngine:
         return out
 
     def prefill(
-        self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int = 0
+        self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int = 0,
+        top_logprobs: int = -1, grammar: GrammarState | None = None,
     ) -> PrefillOutcome:
-        out = self._one(PrefillCall(list(token_ids), cfg, sample_next, rng_offset))
+        out = self._one(PrefillCall(list(token_ids), cfg, sample_next, rng_offset, top_logprobs, grammar))
         assert isinstance(out, PrefillOutcome)
         return out
 

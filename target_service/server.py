@@ -14,10 +14,11 @@ import grpc
 import numpy as np
 
 from specdec.errors import InvalidArgument, Unavailable
+from specdec.grammar import GrammarSpec, GrammarState, LazyGrammarCompiler
 from specdec.grpc_util import ServerHandle, WorkTiming, abort_with, drain, start_server, translate_errors
 from specdec.logging_util import log
 from specdec.metrics import BatchMetrics, ModelServiceMetrics, export_calibration, serve_metrics
-from specdec.sampling import SamplingConfig, SparseQ
+from specdec.sampling import MAX_TOP_LOGPROBS, SamplingConfig, SparseQ, TokenLogprob
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.batching import BatchReport, BatchScheduler
 from target_service.config import TargetServiceConfig
@@ -52,6 +53,16 @@ def _sparse_q(msgs: object) -> list[SparseQ | None]:
     return [
         (np.asarray(m.token_ids, dtype=np.int64), np.asarray(m.probs, dtype=np.float32))  # type: ignore[attr-defined]
         for m in msgs  # type: ignore[attr-defined]
+    ]
+
+
+def _logprobs(lps: list[TokenLogprob]) -> list[common_pb2.TokenLogprobs]:
+    return [
+        common_pb2.TokenLogprobs(
+            chosen=common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob),
+            top=[common_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in lps
     ]
 
 
@@ -134,11 +145,14 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         ids = list(request.token_ids)
         if not ids:
             raise InvalidArgument("token_ids must not be empty")
+        if request.top_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
         if self.draining:
             raise Unavailable("the target replica is shutting down; create the session on another replica")
-        self.engine  # UNAVAILABLE while loading
+        grammar = await self._grammar(request)
+        top = int(request.top_logprobs) if request.return_logprobs else -1
         job = asyncio.ensure_future(
-            self.worker.submit(PrefillCall(ids, cfg, request.sample_next_token, int(request.rng_offset)))
+            self.worker.submit(PrefillCall(ids, cfg, request.sample_next_token, int(request.rng_offset), top, grammar))
         )
         try:
             out, t = await asyncio.shield(job)
@@ -156,7 +170,24 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             next_token_logit_gap=out.logit_gap,
             cache_len=out.cache_len,
             timings=_timings(t),
+            next_token_logprobs=_logprobs(out.logprobs)[0] if out.logprobs else None,
+            grammar_applied=grammar is not None,
+            grammar_dead_end=out.dead_end,
         )
+
+    async def _grammar(self, request: target_pb2.PrefillRequest) -> GrammarState | None:
+        """The new session's grammar state (compiled off the event loop, cached
+        by content); UNAVAILABLE while loading, INVALID_ARGUMENT with
+        llguidance's message for a grammar that does not compile."""
+        engine = self.engine
+        spec = GrammarSpec.from_proto(request.grammar if request.HasField("grammar") else None)
+        if spec is None:
+            return None
+        if engine.grammars is None:
+            raise Unavailable("this target replica has no tokenizer for structured output")
+        if request.grammar_start > len(request.token_ids):
+            raise InvalidArgument(f"grammar_start {request.grammar_start} is past the {len(request.token_ids)} tokens")
+        return await asyncio.to_thread(engine.grammars.state, spec, int(request.grammar_start))
 
     @translate_errors
     async def Verify(
@@ -204,6 +235,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             batch_size=t.batch_size,
             queue_depth=t.queue_depth,
             active_sessions=self.engine.num_sessions,
+            logprobs=_logprobs(out.logprobs),
+            grammar_dead_end=out.dead_end,
         )
 
     @translate_errors
@@ -307,7 +340,9 @@ def load_engine(config: TargetServiceConfig) -> tuple[TargetEngine, str, Calibra
         max_draft_support=config.max_draft_support,
         model_name=resolved.name,
     )
-    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(resolved.hf_dir)))
+    tokenizer = AutoTokenizer.from_pretrained(str(resolved.hf_dir))
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    engine.grammars = LazyGrammarCompiler(tokenizer, engine.vocab_size, engine.eos_token_ids)
     return engine, fingerprint, calibration
 
 

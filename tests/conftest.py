@@ -83,3 +83,27 @@ def tiny_onnx(tiny_models: TinyModels, onnx_cache_dir: Path) -> TinyOnnx:
         futures = {k: pool.submit(ensure_onnx, d, onnx_cache_dir, p, "cpu") for k, (d, p) in jobs.items()}
         dirs = {k: f.result() for k, f in futures.items()}
     return TinyOnnx(cache_dir=onnx_cache_dir, **dirs)
+
+
+#: characters for structured output tests: JSON punctuation, digits and text -> vocab 47
+JSON_CHARS = 'abcdefghijklmnopqrstuvwxyz{}[]":,. 0123456789\n'
+
+
+@dataclass(frozen=True)
+class JsonModels:
+    """A tiny target that can write JSON (and chat), and a correlated draft exported to ONNX."""
+
+    target: Path
+    draft: Path
+    draft_onnx: Path
+    cache_dir: Path
+
+
+@pytest.fixture(scope="session")
+def json_models(tmp_path_factory: pytest.TempPathFactory, onnx_cache_dir: Path) -> JsonModels:
+    from draft_service.export import ensure_onnx
+
+    root = tmp_path_factory.mktemp("json-models")
+    target = build_tiny_model(root / "target", chars=JSON_CHARS, seed=21)
+    draft = build_tiny_model(root / "draft", chars=JSON_CHARS, seed=22, base_dir=target, noise=DRAFT_NOISE)
+    return JsonModels(target, draft, ensure_onnx(draft, onnx_cache_dir, "fp32", "cpu"), onnx_cache_dir)

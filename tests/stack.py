@@ -200,6 +200,7 @@ def make_request(
     ignore_eos: bool = True,
     min_confidence: float = 0.0,
     draft_mode: str = "",
+    top_logprobs: int | None = None,
 ) -> pb.GenerateRequest:
     modes = {"auto": pb.SPECULATION_MODE_AUTO, "off": pb.SPECULATION_MODE_OFF, "fixed": pb.SPECULATION_MODE_FIXED,
              "heuristic": pb.SPECULATION_MODE_HEURISTIC}
@@ -212,6 +213,8 @@ def make_request(
         speculation=pb.SpeculationConfig(mode=modes[mode], num_draft_tokens=gamma, drafter=drafter,
                                          min_confidence=min_confidence, draft_mode=draft_mode),
     )
+    if top_logprobs is not None:
+        req.return_logprobs, req.top_logprobs = True, top_logprobs
     req.sampling.temperature = temperature
     req.sampling.top_p = top_p
     req.sampling.top_k = top_k
@@ -359,3 +362,14 @@ def start_service_process(
         cmd += ["--dtype", dtype]
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
     return ServiceProcess(service, proc, port, metrics_port)
+
+
+def start_gateway(stack: Stack, **overrides: Any) -> Any:
+    """The HTTP gateway on port 0 in front of ``stack``'s orchestrator, on the
+    stack's loop; stop it with ``stack.loop.run(gw.stop(0))``."""
+    from gateway.config import GatewayConfig
+    from gateway.server import start
+
+    cfg = GatewayConfig(**{"orchestrator_address": stack.address, "port": 0, "served_model_names": ["tiny"],
+                           **overrides})
+    return stack.loop.run(start(cfg))

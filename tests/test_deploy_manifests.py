@@ -63,7 +63,7 @@ def overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
 def test_container_args_parse_with_the_cli_and_match_ports_and_probes(overlay: Any) -> None:
     name, docs = overlay
     deps = by_kind(docs, "Deployment")
-    assert set(deps) == {"specdec-orchestrator", "specdec-draft", "specdec-target"}
+    assert set(deps) == {"specdec-gateway", "specdec-orchestrator", "specdec-draft", "specdec-target"}
     for dep_name, dep in deps.items():
         service = dep_name.removeprefix("specdec-")
         args = container_args(docs, dep)
@@ -72,9 +72,15 @@ def test_container_args_parse_with_the_cli_and_match_ports_and_probes(overlay: A
         assert a.host == "0.0.0.0" and a.metrics_host == "0.0.0.0"
         c = dep["spec"]["template"]["spec"]["containers"][0]
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        assert ports["grpc"] == a.port and ports["metrics"] == a.metrics_port and ports["health"] == a.health_port
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["grpc"]["port"] == a.health_port, (dep_name, probe)
+        assert ports["metrics"] == a.metrics_port
+        if service == "gateway":  # HTTP: /health (liveness, start-up) and /ready (readiness) on its port
+            assert ports["http"] == a.port
+            for probe, path in (("startupProbe", "/health"), ("readinessProbe", "/ready"), ("livenessProbe", "/health")):
+                assert c[probe]["httpGet"]["path"] == path and c[probe]["httpGet"]["port"] == "http", probe
+        else:
+            assert ports["grpc"] == a.port and ports["health"] == a.health_port
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert c[probe]["grpc"]["port"] == a.health_port, (dep_name, probe)
         # graceful termination: preStop sleep, then the drain, then the stop grace (10 s) fit in the grace period
         pod = dep["spec"]["template"]["spec"]
         sleep = c["lifecycle"]["preStop"]["sleep"]["seconds"]
@@ -103,14 +109,20 @@ def test_orchestrator_discovers_the_headless_services(overlay: Any) -> None:
         assert int(port) == parse(container_args(docs, dep)).port
     public = services["specdec-orchestrator"]["spec"]
     assert public.get("type", "ClusterIP") == "ClusterIP" and public["ports"][0]["port"] == a.port
+    # the gateway calls the orchestrator's Service on its port
+    g = parse(container_args(docs, by_kind(docs, "Deployment")["specdec-gateway"]))
+    host, port = g.orchestrator_address.rsplit(":", 1)
+    assert host == "specdec-orchestrator" and int(port) == a.port
+    assert services["specdec-gateway"]["spec"]["ports"][0]["port"] == g.port
 
 
 def _metric_names() -> set[str]:
+    from gateway.app import GatewayMetrics
     from specdec.metrics import ModelServiceMetrics, OrchestratorMetrics
 
     names = set()
     for reg in (OrchestratorMetrics.create().registry, ModelServiceMetrics.create("target").registry,
-                ModelServiceMetrics.create("draft").registry):
+                ModelServiceMetrics.create("draft").registry, GatewayMetrics.create().registry):
         for fam in reg.collect():  # the series names each family exports (labelled ones have no samples yet)
             suffixes = {"histogram": ("_sum", "_count", "_bucket"), "counter": ("_total",)}.get(fam.type, ("",))
             names.update(fam.name + sfx for sfx in suffixes)
@@ -141,7 +153,7 @@ def test_hpas_scale_on_metrics_the_adapter_derives_from_exported_series() -> Non
             assert m["pods"]["metric"]["name"] in provided, m["pods"]["metric"]["name"]
     pdbs = by_kind(docs, "PodDisruptionBudget")
     assert {p["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] for p in pdbs.values()} == {
-        "orchestrator", "draft", "target"}
+        "gateway", "orchestrator", "draft", "target"}
 
 
 def test_only_the_orchestrator_reaches_draft_and_target(overlay: Any) -> None:
@@ -157,6 +169,10 @@ def test_only_the_orchestrator_reaches_draft_and_target(overlay: Any) -> None:
         assert "namespaceSelector" not in peer
         scrape = [r for r in pol["ingress"] if r is not rules[0]]
         assert all(p["port"] == 9464 for r in scrape for p in r["ports"])
+    gw = pols["specdec-gateway"]["spec"]
+    assert gw["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+    assert sorted(p["port"] for r in gw["ingress"] for p in r["ports"]) == [8000, 9464]
+    assert [r for r in gw["ingress"] if r["ports"][0]["port"] == 9464][0]["from"][0]["namespaceSelector"]
 
 
 def test_prod_gpu_target_gets_a_gpu() -> None:
@@ -183,7 +199,11 @@ def test_tls_and_auth_are_on_in_every_overlay(overlay: str) -> None:
         args = container_args(docs, dep)
         assert flag(args, "--tls-cert") == "/etc/specdec/tls/tls.crt"
         assert flag(args, "--tls-key") == "/etc/specdec/tls/tls.key"
-        if name == "specdec-orchestrator":
+        if name == "specdec-gateway":  # HTTPS, and TLS to the orchestrator
+            assert flag(args, "--orchestrator-ca") == "/etc/specdec/tls/ca.crt"
+            c = spec["containers"][0]
+            assert {c[p]["httpGet"]["scheme"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} == {"HTTPS"}
+        elif name == "specdec-orchestrator":
             assert secrets[mounts["/etc/specdec/auth"]] == "specdec-auth"
             assert flag(args, "--auth-tokens-file") == "/etc/specdec/auth/tokens"
             assert flag(args, "--upstream-ca") == "/etc/specdec/tls/ca.crt"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ["specdec", "specdec_app", "draft_service", "target_service", "orchestrator"]
+PACKAGES = ["specdec", "specdec_app", "draft_service", "target_service", "orchestrator", "gateway"]
 GENERATED = REPO / "specdec" / "v1"
 MAX_LINES = 600
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
@@ -50,6 +50,7 @@ def test_the_tree_keeps_its_layers() -> None:
     ("target_service/config.py", "import specdec_app.commands\n", "one-way layers"),
     # one service importing another
     ("draft_service/config.py", "from target_service import config as _t\n", "independent"),
+    ("gateway/config.py", "import orchestrator.config as _o\n", "independent"),
 ])
 def test_a_wrong_import_breaks_the_check(tmp_path: Path, module: str, wrong_import: str, contract: str) -> None:
     root = copy_tree(tmp_path)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"o\n\x13\x44raftSessionRequest\x12%\n\x04open\x18\x01 \x01(\x0b\x32\x15.specdec.v1.DraftOpenH\x00\x12)\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x17.specdec.v1.DraftCommitH\x00\x42\x06\n\x04kind\"\xb4\x01\n\tDraftOpen\x12,\n\x08sampling\x18\x01 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x12\n\nrng_offset\x18\x03 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x13\n\x0b\x64raft_until\x18\x05 \x01(\r\x12\x16\n\x0emin_confidence\x18\x06 \x01(\x02\x12\x14\n\x0c\x62\x61tch_events\x18\x07 \x01(\x08\"p\n\x0b\x44raftCommit\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x13\n\x0b\x64raft_until\x18\x04 \x01(\r\x12\x16\n\x0emin_confidence\x18\x05 \x01(\x02\"\xca\x01\n\x11\x44raftSessionEvent\x12)\n\x06opened\x18\x01 \x01(\x0b\x32\x17.specdec.v1.DraftOpenedH\x00\x12)\n\x05token\x18\x02 \x01(\x0b\x32\x18.specdec.v1.DraftedTokenH\x00\x12)\n\x06paused\x18\x03 \x01(\x0b\x32\x17.specdec.v1.DraftPausedH\x00\x12,\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.DraftEventBatchH\x00\x42\x06\n\x04kind\"d\n\x0f\x44raftEventBatch\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.specdec.v1.DraftedToken\x12\'\n\x06paused\x18\x02 \x01(\x0b\x32\x17.specdec.v1.DraftPaused\"2\n\x0b\x44raftOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\"\x99\x01\n\x0c\x44raftedToken\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08token_id\x18\x03 \x01(\x05\x12,\n\x04prob\x18\x04 \x01(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x12\n\nconfidence\x18\x05 \x01(\x02\x12\x12\n\ncompute_ms\x18\x06 \x01(\x02\"P\n\x0b\x44raftPaused\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06\x63ommit\x18\x04 \x01(\x04\"n\n\x19\x43reateDraftSessionRequest\x12,\n\x08sampling\x18\x01 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x12\n\nrng_offset\x18\x03 \x01(\x04\"A\n\x1a\x43reateDraftSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\"y\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x16\n\x0emin_confidence\x18\x05 \x01(\x02\"\xb5\x01\n\x0fProposeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12-\n\x05probs\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x15\n\rcommitted_len\x18\x03 \x01(\r\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.specdec.v1.Timings\x12\x12\n\nconfidence\x18\x05 \x03(\x02\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t2\x83\x03\n\x05\x44raft\x12\x43\n\x0cGetModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12^\n\rCreateSession\x12%.specdec.v1.CreateDraftSessionRequest\x1a&.specdec.v1.CreateDraftSessionResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12M\n\x07Session\x12\x1f.specdec.v1.DraftSessionRequest\x1a\x1d.specdec.v1.DraftSessionEvent(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"o\n\x13\x44raftSessionRequest\x12%\n\x04open\x18\x01 \x01(\x0b\x32\x15.specdec.v1.DraftOpenH\x00\x12)\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x17.specdec.v1.DraftCommitH\x00\x42\x06\n\x04kind\"\xf1\x01\n\tDraftOpen\x12,\n\x08sampling\x18\x01 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x12\n\nrng_offset\x18\x03 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x13\n\x0b\x64raft_until\x18\x05 \x01(\r\x12\x16\n\x0emin_confidence\x18\x06 \x01(\x02\x12\x14\n\x0c\x62\x61tch_events\x18\x07 \x01(\x08\x12$\n\x07grammar\x18\x08 \x01(\x0b\x32\x13.specdec.v1.Grammar\x12\x15\n\rgrammar_start\x18\t \x01(\r\"p\n\x0b\x44raftCommit\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x13\n\x0b\x64raft_until\x18\x04 \x01(\r\x12\x16\n\x0emin_confidence\x18\x05 \x01(\x02\"\xca\x01\n\x11\x44raftSessionEvent\x12)\n\x06opened\x18\x01 \x01(\x0b\x32\x17.specdec.v1.DraftOpenedH\x00\x12)\n\x05token\x18\x02 \x01(\x0b\x32\x18.specdec.v1.DraftedTokenH\x00\x12)\n\x06paused\x18\x03 \x01(\x0b\x32\x17.specdec.v1.DraftPausedH\x00\x12,\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.DraftEventBatchH\x00\x42\x06\n\x04kind\"d\n\x0f\x44raftEventBatch\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.specdec.v1.DraftedToken\x12\'\n\x06paused\x18\x02 \x01(\x0b\x32\x17.specdec.v1.DraftPaused\"K\n\x0b\x44raftOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x17\n\x0fgrammar_applied\x18\x03 \x01(\x08\"\x99\x01\n\x0c\x44raftedToken\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08token_id\x18\x03 \x01(\x05\x12,\n\x04prob\x18\x04 \x01(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x12\n\nconfidence\x18\x05 \x01(\x02\x12\x12\n\ncompute_ms\x18\x06 \x01(\x02\"P\n\x0b\x44raftPaused\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06\x63ommit\x18\x04 \x01(\x04\"\xab\x01\n\x19\x43reateDraftSessionRequest\x12,\n\x08sampling\x18\x01 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x12\n\nrng_offset\x18\x03 \x01(\x04\x12$\n\x07grammar\x18\x04 \x01(\x0b\x32\x13.specdec.v1.Grammar\x12\x15\n\rgrammar_start\x18\x05 \x01(\r\"Z\n\x1a\x43reateDraftSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x17\n\x0fgrammar_applied\x18\x03 \x01(\x08\"y\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x16\n\x0emin_confidence\x18\x05 \x01(\x02\"\xb5\x01\n\x0fProposeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12-\n\x05probs\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x15\n\rcommitted_len\x18\x03 \x01(\r\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.specdec.v1.Timings\x12\x12\n\nconfidence\x18\x05 \x03(\x02\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t2\x83\x03\n\x05\x44raft\x12\x43\n\x0cGetModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12^\n\rCreateSession\x12%.specdec.v1.CreateDraftSessionRequest\x1a&.specdec.v1.CreateDraftSessionResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12M\n\x07Session\x12\x1f.specdec.v1.DraftSessionRequest\x1a\x1d.specdec.v1.DraftSessionEvent(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,27 +35,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTSESSIONREQUEST']._serialized_start=63
   _globals['_DRAFTSESSIONREQUEST']._serialized_end=174
   _globals['_DRAFTOPEN']._serialized_start=177
-  _globals['_DRAFTOPEN']._serialized_end=357
-  _globals['_DRAFTCOMMIT']._serialized_start=359
-  _globals['_DRAFTCOMMIT']._serialized_end=471
-  _globals['_DRAFTSESSIONEVENT']._serialized_start=474
-  _globals['_DRAFTSESSIONEVENT']._serialized_end=676
-  _globals['_DRAFTEVENTBATCH']._serialized_start=678
-  _globals['_DRAFTEVENTBATCH']._serialized_end=778
-  _globals['_DRAFTOPENED']._serialized_start=780
-  _globals['_DRAFTOPENED']._serialized_end=830
-  _globals['_DRAFTEDTOKEN']._serialized_start=833
-  _globals['_DRAFTEDTOKEN']._serialized_end=986
-  _globals['_DRAFTPAUSED']._serialized_start=988
-  _globals['_DRAFTPAUSED']._serialized_end=1068
-  _globals['_CREATEDRAFTSESSIONREQUEST']._serialized_start=1070
-  _globals['_CREATEDRAFTSESSIONREQUEST']._serialized_end=1180
-  _globals['_CREATEDRAFTSESSIONRESPONSE']._serialized_start=1182
-  _globals['_CREATEDRAFTSESSIONRESPONSE']._serialized_end=1247
-  _globals['_PROPOSEREQUEST']._serialized_start=1249
-  _globals['_PROPOSEREQUEST']._serialized_end=1370
-  _globals['_PROPOSERESPONSE']._serialized_start=1373
-  _globals['_PROPOSERESPONSE']._serialized_end=1554
-  _globals['_DRAFT']._serialized_start=1557
-  _globals['_DRAFT']._serialized_end=1944
+  _globals['_DRAFTOPEN']._serialized_end=418
+  _globals['_DRAFTCOMMIT']._serialized_start=420
+  _globals['_DRAFTCOMMIT']._serialized_end=532
+  _globals['_DRAFTSESSIONEVENT']._serialized_start=535
+  _globals['_DRAFTSESSIONEVENT']._serialized_end=737
+  _globals['_DRAFTEVENTBATCH']._serialized_start=739
+  _globals['_DRAFTEVENTBATCH']._serialized_end=839
+  _globals['_DRAFTOPENED']._serialized_start=841
+  _globals['_DRAFTOPENED']._serialized_end=916
+  _globals['_DRAFTEDTOKEN']._serialized_start=919
+  _globals['_DRAFTEDTOKEN']._serialized_end=1072
+  _globals['_DRAFTPAUSED']._serialized_start=1074
+  _globals['_DRAFTPAUSED']._serialized_end=1154
+  _globals['_CREATEDRAFTSESSIONREQUEST']._serialized_start=1157
+  _globals['_CREATEDRAFTSESSIONREQUEST']._serialized_end=1328
+  _globals['_CREATEDRAFTSESSIONRESPONSE']._serialized_start=1330
+  _globals['_CREATEDRAFTSESSIONRESPONSE']._serialized_end=1420
+  _globals['_PROPOSEREQUEST']._serialized_start=1422
+  _globals['_PROPOSEREQUEST']._serialized_end=1543
+  _globals['_PROPOSERESPONSE']._serialized_start=1546
+  _globals['_PROPOSERESPONSE']._serialized_end=1727
+  _globals['_DRAFT']._serialized_start=1730
+  _globals['_DRAFT']._serialized_end=2117
 # @@protoc_insertion_point(module_scope)

@@ -16,7 +16,7 @@ class DraftSessionRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[DraftOpen, _Mapping]] = ..., commit: _Optional[_Union[DraftCommit, _Mapping]] = ...) -> None: ...
 
 class DraftOpen(_message.Message):
-    __slots__ = ("sampling", "drafter", "rng_offset", "token_ids", "draft_until", "min_confidence", "batch_events")
+    __slots__ = ("sampling", "drafter", "rng_offset", "token_ids", "draft_until", "min_confidence", "batch_events", "grammar", "grammar_start")
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     RNG_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,8 @@ class DraftOpen(_message.Message):
     DRAFT_UNTIL_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     BATCH_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_START_FIELD_NUMBER: _ClassVar[int]
     sampling: _common_pb2.SamplingParams
     drafter: str
     rng_offset: int
@@ -31,7 +33,9 @@ class DraftOpen(_message.Message):
     draft_until: int
     min_confidence: float
     batch_events: bool
-    def __init__(self, sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ..., rng_offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_until: _Optional[int] = ..., min_confidence: _Optional[float] = ..., batch_events: _Optional[bool] = ...) -> None: ...
+    grammar: _common_pb2.Grammar
+    grammar_start: int
+    def __init__(self, sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ..., rng_offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_until: _Optional[int] = ..., min_confidence: _Optional[float] = ..., batch_events: _Optional[bool] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ..., grammar_start: _Optional[int] = ...) -> None: ...
 
 class DraftCommit(_message.Message):
     __slots__ = ("token_ids", "version", "accepted", "draft_until", "min_confidence")
@@ -68,12 +72,14 @@ class DraftEventBatch(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[DraftedToken, _Mapping]]] = ..., paused: _Optional[_Union[DraftPaused, _Mapping]] = ...) -> None: ...
 
 class DraftOpened(_message.Message):
-    __slots__ = ("session_id", "drafter")
+    __slots__ = ("session_id", "drafter", "grammar_applied")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_APPLIED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     drafter: str
-    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ...) -> None: ...
+    grammar_applied: bool
+    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., grammar_applied: _Optional[bool] = ...) -> None: ...
 
 class DraftedToken(_message.Message):
     __slots__ = ("position", "version", "token_id", "prob", "confidence", "compute_ms")
@@ -104,22 +110,28 @@ class DraftPaused(_message.Message):
     def __init__(self, position: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., commit: _Optional[int] = ...) -> None: ...
 
 class CreateDraftSessionRequest(_message.Message):
-    __slots__ = ("sampling", "drafter", "rng_offset")
+    __slots__ = ("sampling", "drafter", "rng_offset", "grammar", "grammar_start")
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     RNG_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_START_FIELD_NUMBER: _ClassVar[int]
     sampling: _common_pb2.SamplingParams
     drafter: str
     rng_offset: int
-    def __init__(self, sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ..., rng_offset: _Optional[int] = ...) -> None: ...
+    grammar: _common_pb2.Grammar
+    grammar_start: int
+    def __init__(self, sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ..., rng_offset: _Optional[int] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ..., grammar_start: _Optional[int] = ...) -> None: ...
 
 class CreateDraftSessionResponse(_message.Message):
-    __slots__ = ("session_id", "drafter")
+    __slots__ = ("session_id", "drafter", "grammar_applied")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_APPLIED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     drafter: str
-    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ...) -> None: ...
+    grammar_applied: bool
+    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., grammar_applied: _Optional[bool] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("session_id", "base_len", "new_token_ids", "num_tokens", "min_confidence")

@@ -23,6 +23,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_CONTEXT_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_GRAMMAR_DEAD_END: _ClassVar[FinishReason]
 SPECULATION_MODE_UNSPECIFIED: SpeculationMode
 SPECULATION_MODE_AUTO: SpeculationMode
 SPECULATION_MODE_OFF: SpeculationMode
@@ -33,6 +34,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_CONTEXT_LENGTH: FinishReason
+FINISH_REASON_GRAMMAR_DEAD_END: FinishReason
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -57,7 +59,7 @@ class SpeculationConfig(_message.Message):
     def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., num_draft_tokens: _Optional[int] = ..., drafter: _Optional[str] = ..., min_confidence: _Optional[float] = ..., draft_mode: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "messages", "max_new_tokens", "sampling", "stop", "speculation", "ignore_eos", "return_logit_gaps")
+    __slots__ = ("prompt", "prompt_token_ids", "messages", "max_new_tokens", "sampling", "stop", "speculation", "ignore_eos", "return_logit_gaps", "return_logprobs", "top_logprobs", "structured_output")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +69,9 @@ class GenerateRequest(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGIT_GAPS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -76,7 +81,10 @@ class GenerateRequest(_message.Message):
     speculation: SpeculationConfig
     ignore_eos: bool
     return_logit_gaps: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationConfig, _Mapping]] = ..., ignore_eos: _Optional[bool] = ..., return_logit_gaps: _Optional[bool] = ...) -> None: ...
+    return_logprobs: bool
+    top_logprobs: int
+    structured_output: _common_pb2.Grammar
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationConfig, _Mapping]] = ..., ignore_eos: _Optional[bool] = ..., return_logit_gaps: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("draft_tokens", "accepted_tokens", "rounds", "mean_accepted_length", "time_to_first_token_ms", "tokens_per_second", "acceptance_rate", "prompt_tokens", "generated_tokens", "total_ms", "draft_ms", "verify_ms", "overhead_ms", "gamma_trajectory", "accepted_per_round", "draft_failures", "target_rebuilds", "drafter", "policy", "round_trip_ms", "prefill_ms", "draft_mode", "draft_hidden_ms", "post_verified", "round_overhead_p50_ms", "round_overhead_p99_ms")
@@ -135,15 +143,17 @@ class GenerationStats(_message.Message):
     def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., total_ms: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., gamma_trajectory: _Optional[_Iterable[int]] = ..., accepted_per_round: _Optional[_Iterable[int]] = ..., draft_failures: _Optional[int] = ..., target_rebuilds: _Optional[int] = ..., drafter: _Optional[str] = ..., policy: _Optional[str] = ..., round_trip_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., draft_mode: _Optional[str] = ..., draft_hidden_ms: _Optional[float] = ..., post_verified: _Optional[int] = ..., round_overhead_p50_ms: _Optional[float] = ..., round_overhead_p99_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "stats", "logit_gaps")
+    __slots__ = ("text", "token_ids", "finish_reason", "stats", "logit_gaps", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_GAPS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     stats: GenerationStats
     logit_gaps: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., logit_gaps: _Optional[_Iterable[float]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., logit_gaps: _Optional[_Iterable[float]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...

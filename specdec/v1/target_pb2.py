@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x80\x01\n\x0ePrefillRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x19\n\x11sample_next_token\x18\x03 \x01(\x08\x12\x12\n\nrng_offset\x18\x04 \x01(\x04\"\xab\x01\n\x0fPrefillResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0ehas_next_token\x18\x02 \x01(\x08\x12\x15\n\rnext_token_id\x18\x03 \x01(\x05\x12\x1c\n\x14next_token_logit_gap\x18\x04 \x01(\x02\x12\x11\n\tcache_len\x18\x05 \x01(\r\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.specdec.v1.Timings\"\xfd\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tcache_len\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x03(\x05\x12\x33\n\x0b\x64raft_probs\x18\x05 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x16\n\x0ehas_post_token\x18\x06 \x01(\x08\x12\x15\n\rpost_token_id\x18\x07 \x01(\x05\x12\x31\n\tpost_prob\x18\x08 \x01(\x0b\x32\x1e.specdec.v1.SparseDistribution\"\xf9\x01\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x15\n\rnext_token_id\x18\x02 \x01(\x05\x12\x15\n\rnext_is_bonus\x18\x03 \x01(\x08\x12\x11\n\tcache_len\x18\x04 \x01(\r\x12\x12\n\nlogit_gaps\x18\x05 \x03(\x02\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.specdec.v1.Timings\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x08 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\t \x01(\r\x12\x14\n\x0cnext_is_post\x18\n \x01(\x08\x32\xe1\x02\n\x06Target\x12\x43\n\x0cGetModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12\x42\n\x07Prefill\x12\x1a.specdec.v1.PrefillRequest\x1a\x1b.specdec.v1.PrefillResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12I\n\x0cVerifyStream\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xec\x01\n\x0ePrefillRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x19\n\x11sample_next_token\x18\x03 \x01(\x08\x12\x12\n\nrng_offset\x18\x04 \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\r\x12$\n\x07grammar\x18\x07 \x01(\x0b\x32\x13.specdec.v1.Grammar\x12\x15\n\rgrammar_start\x18\x08 \x01(\r\"\x96\x02\n\x0fPrefillResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0ehas_next_token\x18\x02 \x01(\x08\x12\x15\n\rnext_token_id\x18\x03 \x01(\x05\x12\x1c\n\x14next_token_logit_gap\x18\x04 \x01(\x02\x12\x11\n\tcache_len\x18\x05 \x01(\r\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.specdec.v1.Timings\x12\x36\n\x13next_token_logprobs\x18\x07 \x01(\x0b\x32\x19.specdec.v1.TokenLogprobs\x12\x17\n\x0fgrammar_applied\x18\x08 \x01(\x08\x12\x18\n\x10grammar_dead_end\x18\t \x01(\x08\"\xfd\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tcache_len\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x03(\x05\x12\x33\n\x0b\x64raft_probs\x18\x05 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x16\n\x0ehas_post_token\x18\x06 \x01(\x08\x12\x15\n\rpost_token_id\x18\x07 \x01(\x05\x12\x31\n\tpost_prob\x18\x08 \x01(\x0b\x32\x1e.specdec.v1.SparseDistribution\"\xc0\x02\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x15\n\rnext_token_id\x18\x02 \x01(\x05\x12\x15\n\rnext_is_bonus\x18\x03 \x01(\x08\x12\x11\n\tcache_len\x18\x04 \x01(\r\x12\x12\n\nlogit_gaps\x18\x05 \x03(\x02\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.specdec.v1.Timings\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x08 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\t \x01(\r\x12\x14\n\x0cnext_is_post\x18\n \x01(\x08\x12+\n\x08logprobs\x18\x0b \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\x12\x18\n\x10grammar_dead_end\x18\x0c \x01(\x08\x32\xe1\x02\n\x06Target\x12\x43\n\x0cGetModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12\x42\n\x07Prefill\x12\x1a.specdec.v1.PrefillRequest\x1a\x1b.specdec.v1.PrefillResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12I\n\x0cVerifyStream\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.target_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=65
-  _globals['_PREFILLREQUEST']._serialized_end=193
-  _globals['_PREFILLRESPONSE']._serialized_start=196
-  _globals['_PREFILLRESPONSE']._serialized_end=367
-  _globals['_VERIFYREQUEST']._serialized_start=370
-  _globals['_VERIFYREQUEST']._serialized_end=623
-  _globals['_VERIFYRESPONSE']._serialized_start=626
-  _globals['_VERIFYRESPONSE']._serialized_end=875
-  _globals['_TARGET']._serialized_start=878
-  _globals['_TARGET']._serialized_end=1231
+  _globals['_PREFILLREQUEST']._serialized_end=301
+  _globals['_PREFILLRESPONSE']._serialized_start=304
+  _globals['_PREFILLRESPONSE']._serialized_end=582
+  _globals['_VERIFYREQUEST']._serialized_start=585
+  _globals['_VERIFYREQUEST']._serialized_end=838
+  _globals['_VERIFYRESPONSE']._serialized_start=841
+  _globals['_VERIFYRESPONSE']._serialized_end=1161
+  _globals['_TARGET']._serialized_start=1164
+  _globals['_TARGET']._serialized_end=1517
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,258 @@
+"""The gateway's HTTP routes (Starlette; SSE by sse-starlette) and their
+calls to ``specdec.v1.Orchestrator/Generate`` over one gRPC channel.
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions``: JSON, or SSE with
+  ``stream`` (``data: {chunk}`` events, then ``data: [DONE]``). A streamed
+  response starts when the first tokens arrive, so an error before any token
+  (bad input, no capacity, authentication) is an HTTP status; one after
+  that is an ``error`` event ending the stream.
+- ``GET /v1/models``, ``GET /v1/models/{model}``: the served model names.
+- ``GET /health``: the process is up (liveness). ``GET /ready``: the
+  orchestrator answers SERVING and the gateway is not draining (readiness).
+
+A client that disconnects cancels its Generate call (the orchestrator then
+releases the sessions). The ``Authorization`` header is passed on as gRPC
+metadata: the orchestrator's bearer-token check applies unchanged. One
+access-log line per request (logger ``specdec.gateway.access``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.config import GatewayConfig
+from gateway.requests import ApiError, parse
+from gateway.responses import Formatter, api_error
+from specdec.logging_util import log
+from specdec.v1 import orchestrator_pb2 as pb
+from specdec.v1 import orchestrator_pb2_grpc
+
+access_logger = logging.getLogger("specdec.gateway.access")
+T = TypeVar("T")
+
+
+class _Gone(Exception):
+    """The HTTP client disconnected."""
+
+
+@dataclass
+class _Access:
+    route: str
+    started: float
+    status: int = 200
+    grpc_code: str = ""
+    model: str = ""
+    stream: bool = False
+    user: str = ""
+    tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class GatewayMetrics:
+    registry: CollectorRegistry
+    requests: Counter  # by route and HTTP status
+    latency: Histogram  # by route
+    active: Gauge  # requests being served (the HPA's input)
+
+    @classmethod
+    def create(cls) -> "GatewayMetrics":
+        r = CollectorRegistry()
+        return cls(
+            r,
+            Counter("specdec_gateway_requests", "HTTP requests by route and status", ["route", "status"], registry=r),
+            Histogram("specdec_gateway_request_seconds", "request wall time (streams: to the last chunk)", ["route"],
+                      registry=r),
+            Gauge("specdec_gateway_active_requests", "requests being served", registry=r),
+        )
+
+
+class Gateway:
+    """The routes over one orchestrator channel."""
+
+    def __init__(self, config: GatewayConfig, channel: grpc.aio.Channel) -> None:
+        self.cfg = config
+        self.stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        self.health_stub = health_pb2_grpc.HealthStub(channel)
+        self.draining = False
+        self.active = 0  # requests being served
+        self.created = int(time.time())
+        self.metrics = GatewayMetrics.create()
+        self.metrics.active.set_function(lambda: self.active)
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v1/chat/completions", lambda r: self.generate(r, "chat"), methods=["POST"]),
+            Route("/v1/completions", lambda r: self.generate(r, "completion"), methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
+        ])
+
+    # ------------------------------------------------------------ small routes
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "specdec"}
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card(m) for m in self.cfg.served_model_names]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if name not in self.cfg.served_model_names:
+            e = ApiError(404, f"The model `{name}` does not exist.", "model", "not_found_error", "model_not_found")
+            return JSONResponse(e.body(), status_code=404)
+        return JSONResponse(self._model_card(name))
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        if self.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        try:
+            r = await self.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=self.cfg.ready_timeout_s)
+            serving = r.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError as e:
+            return JSONResponse({"status": "orchestrator unreachable", "error": e.code().name}, status_code=503)
+        return JSONResponse({"status": "ready" if serving else "orchestrator not serving"},
+                            status_code=200 if serving else 503)
+
+    # -------------------------------------------------------------- generation
+    async def _body(self, request: Request) -> Any:
+        """The JSON body, at most ``max_body_bytes`` (else 413)."""
+        chunks, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > self.cfg.max_body_bytes:
+                raise ApiError(413, f"request body exceeds {self.cfg.max_body_bytes} bytes", "body")
+            chunks.append(part)
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}", "body") from None
+
+    @staticmethod
+    async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+        """``work``, or :class:`_Gone` as soon as the client disconnects
+        (``work`` is cancelled then)."""
+        async def gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not task.done():
+                task.cancel()
+        if not task.done() or task.cancelled():
+            raise _Gone()
+        return task.result()
+
+    async def generate(self, request: Request, kind: str) -> Response:
+        rec = _Access(route=request.url.path, started=time.perf_counter())
+        call = None
+        self.active += 1
+        streaming = False
+        try:
+            if self.draining:
+                raise ApiError(503, "the gateway is shutting down; retry", None, "service_unavailable_error")
+            parsed = parse(kind, await self._body(request), self.cfg.served_model_names)
+            rec.model, rec.stream, rec.user = parsed.model, parsed.stream, parsed.user
+            metadata = [("authorization", request.headers["authorization"])] if "authorization" in request.headers else []
+            call = self.stub.Generate(parsed.request, timeout=self.cfg.request_timeout_s, metadata=metadata)
+            fmt = Formatter(parsed)
+            if parsed.stream:
+                first = await self._until_disconnect(request, self._read(call))
+                streaming = True
+                return EventSourceResponse(self._events(call, fmt, first, rec), ping=15,
+                                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            msgs = await self._until_disconnect(request, self._read_all(call))
+            rec.tokens = sum(len(m.token_ids) for m in msgs)
+            return JSONResponse(fmt.complete(msgs))
+        except ApiError as e:
+            rec.status, rec.error = e.status, e.message[:200]
+            return JSONResponse(e.body(), status_code=e.status)
+        except grpc.RpcError as e:
+            err = api_error(e.code(), e.details() or "")
+            rec.status, rec.grpc_code, rec.error = err.status, e.code().name, err.message[:200]
+            return JSONResponse(err.body(), status_code=err.status)
+        except (_Gone, ClientDisconnect):
+            rec.status, rec.grpc_code = 499, "CANCELLED"  # no response reaches the client
+            return Response(status_code=499)
+        finally:
+            if not streaming:
+                if call is not None:
+                    call.cancel()  # no-op once it finished
+                self._done(rec)
+
+    @staticmethod
+    async def _read(call: Any) -> pb.GenerateResponse | None:
+        msg = await call.read()
+        return None if msg is grpc.aio.EOF else msg
+
+    async def _read_all(self, call: Any) -> list[pb.GenerateResponse]:
+        msgs = []
+        while (msg := await self._read(call)) is not None:
+            msgs.append(msg)
+        if not msgs:
+            raise ApiError(502, "the orchestrator ended the stream without a response", None, "server_error")
+        return msgs
+
+    async def _events(self, call: Any, fmt: Formatter, first: pb.GenerateResponse | None,
+                      rec: _Access) -> AsyncIterator[dict[str, str]]:
+        """The SSE events of a streamed response (the generator is cancelled
+        when the client disconnects: the Generate call is cancelled with it)."""
+        try:
+            for chunk in fmt.first():
+                yield {"data": json.dumps(chunk)}
+            msg = first
+            while msg is not None:
+                rec.tokens += len(msg.token_ids)
+                for chunk in fmt.chunk(msg):
+                    yield {"data": json.dumps(chunk)}
+                msg = await self._read(call)
+            yield {"data": "[DONE]"}
+        except grpc.RpcError as e:
+            err = api_error(e.code(), e.details() or "")
+            rec.grpc_code, rec.error = e.code().name, err.message[:200]
+            yield {"data": json.dumps(err.body())}
+            yield {"data": "[DONE]"}
+        except asyncio.CancelledError:
+            rec.grpc_code = rec.grpc_code or "CANCELLED"
+            raise
+        finally:
+            call.cancel()
+            self._done(rec)
+
+    def _done(self, rec: _Access) -> None:
+        self.active -= 1
+        wall = time.perf_counter() - rec.started
+        self.metrics.requests.labels(rec.route, str(rec.status)).inc()
+        self.metrics.latency.labels(rec.route).observe(wall)
+        fields: dict[str, Any] = {"route": rec.route, "status": rec.status, "duration_ms": round(wall * 1e3, 1),
+                                  "model": rec.model, "stream": rec.stream, "completion_tokens": rec.tokens}
+        if rec.user:
+            fields["user"] = rec.user[:128]
+        if rec.grpc_code:
+            fields["grpc_code"] = rec.grpc_code
+        if rec.error:
+            fields["error"] = rec.error
+        log(access_logger, logging.INFO, "request", **fields)
+

@@ -1,0 +1,279 @@
+"""The OpenAI-compatible gateway against a real tiny stack on loopback,
+driven by the official ``openai`` client (the PyPI package): chat and
+completions, streamed and not, logprobs, refused parameters, cancelled
+streams, bearer tokens passed through, and the gRPC -> HTTP status mapping."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from typing import Any
+
+import grpc
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from gateway.responses import HTTP_STATUS, api_error
+from tests.stack import Stack, free_port, make_request, start_gateway, start_stack
+
+TOKEN = "gateway-test-token-0123456789"
+OTHER = "gateway-other-token-0123456789"
+MESSAGES = [("user", "hello there")]
+
+
+@pytest.fixture(scope="module")
+def stack(json_models, tmp_path_factory: pytest.TempPathFactory) -> Stack:  # type: ignore[no-untyped-def]
+    """A tiny pair that can write JSON, with bearer tokens and one stream per client."""
+    tokens = tmp_path_factory.mktemp("gw-auth") / "tokens"
+    tokens.write_text(f"alice:{TOKEN}\nbob:{OTHER}\n")
+    s = start_stack(json_models.target, json_models.draft, json_models.cache_dir,
+                    orchestrator_overrides={"auth_tokens_file": tokens, "max_streams_per_client": 1})
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(stack: Stack) -> Any:
+    gw = start_gateway(stack)
+    yield gw
+    stack.loop.run(gw.stop(0))
+
+
+def client(gw: Any, token: str = TOKEN) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key=token, max_retries=0, timeout=60)
+
+
+def _grpc(stack: Stack, **fields: Any) -> dict[str, Any]:
+    chunks = list(stack.orch_stub().Generate(make_request(**fields), timeout=60,
+                                             metadata=[("authorization", f"Bearer {TOKEN}")]))
+    return {"text": "".join(c.text for c in chunks), "token_ids": [t for c in chunks for t in c.token_ids],
+            "stats": chunks[-1].stats, "logprobs": [lp for c in chunks for lp in c.logprobs]}
+
+
+SPEC = {"speculation": {"mode": "fixed", "num_draft_tokens": 4}}
+
+
+def test_chat_completion_equals_grpc_and_reports_usage(stack: Stack, gateway: Any) -> None:
+    ref = _grpc(stack, messages=MESSAGES, max_new_tokens=20, ignore_eos=False)
+    r = client(gateway).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello there"}],
+                                                max_tokens=20, temperature=0, extra_body=SPEC)
+    assert r.object == "chat.completion" and r.model == "tiny" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref["text"]
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens == len(ref["token_ids"]) and r.usage.prompt_tokens == ref["stats"].prompt_tokens
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.model_extra["speculation"]["draft_tokens"] > 0  # it ran speculatively
+    stack.assert_clean()
+
+
+def test_chat_stream_with_usage(stack: Stack, gateway: Any) -> None:
+    ref = _grpc(stack, messages=MESSAGES, max_new_tokens=24)
+    chunks = list(client(gateway).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello there"}], max_completion_tokens=24, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_body={**SPEC, "ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref["text"]
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # streamed, not one block
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in finals] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert all(c.usage is None for c in chunks[:-1])
+    stack.assert_clean()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions(stack: Stack, gateway: Any, stream: bool) -> None:
+    ref = _grpc(stack, prompt="the quick", max_new_tokens=16)
+    r = client(gateway).completions.create(model="tiny", prompt="the quick", max_tokens=16, temperature=0,
+                                           stream=stream, extra_body={**SPEC, "ignore_eos": True})
+    if stream:
+        chunks = list(r)
+        assert all(c.object == "text_completion" for c in chunks)
+        assert "".join(c.choices[0].text for c in chunks) == ref["text"]
+        assert chunks[-1].choices[0].finish_reason == "length"
+    else:
+        assert r.object == "text_completion" and r.choices[0].text == ref["text"]
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 16
+    stack.assert_clean()
+
+
+def test_chat_logprobs_are_the_targets(stack: Stack, gateway: Any) -> None:
+    """The logprobs and top-3 are what the gRPC API returns for the same request."""
+    ref = _grpc(stack, messages=MESSAGES, max_new_tokens=12, top_logprobs=3)
+    r = client(gateway).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello there"}],
+                                                max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
+                                                extra_body={**SPEC, "ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 12 == len(ref["logprobs"])
+    for got, want in zip(content, ref["logprobs"]):
+        assert got.logprob == pytest.approx(want.chosen.logprob, abs=1e-6)
+        assert bytes(got.bytes) == want.chosen.token and got.token == want.chosen.token.decode()
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx([t.logprob for t in want.top], abs=1e-6)
+        assert len(got.top_logprobs) == 3 and got.top_logprobs[0].token == got.token  # greedy: the argmax
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    legacy = client(gateway).completions.create(model="tiny", prompt="the quick", max_tokens=5, temperature=0,
+                                                logprobs=2, extra_body={"ignore_eos": True})
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    assert all(len(t) == 2 and max(t.values()) <= 0 for t in lp.top_logprobs)
+    stack.assert_clean()
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"enum": ["ada", "bob", "cy"]},
+    "scores": {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 3},
+    "ok": {"type": "boolean"},
+}, "required": ["name", "scores", "ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_json_schema_response_parses_and_validates(stack: Stack, gateway: Any, seed: int) -> None:
+    """response_format json_schema, sampled at temperature 1 with speculation:
+    the content parses and validates against the schema."""
+    r = client(gateway).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "give me json"}], max_tokens=80, seed=seed,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}},
+        extra_body=SPEC)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    r = client(gateway).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "a date"}], max_tokens=20, temperature=0,
+        extra_body={**SPEC, "structured_output": {"regex": r"\d{4}-\d{2}-\d{2}"}})
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", r.choices[0].message.content)
+    stack.assert_clean()
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"n": 2}, "n"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": 1.0}, "frequency_penalty"),
+    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+    ({"extra_body": {"guided_json": {}}}, "guided_json"),
+    ({"extra_body": {"speculation": {"gamma": 3}}}, "speculation.gamma"),
+    ({"temperature": 3.0}, "temperature"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+])
+def test_unsupported_parameters_get_400_naming_them(stack: Stack, gateway: Any, kwargs: dict, param: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(openai.BadRequestError) as e:
+        client(gateway).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=2, **kwargs)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param and param.split(".")[-1] in e.value.body["message"]
+    assert e.value.body["type"] == "invalid_request_error"
+    stack.assert_clean()
+
+
+def test_grpc_errors_map_to_http_statuses(stack: Stack, gateway: Any) -> None:
+    """Real errors from the orchestrator arrive with the status OpenAI's clients expect."""
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(openai.BadRequestError, match="exceeds the limit"):  # INVALID_ARGUMENT
+        client(gateway).chat.completions.create(**chat, max_tokens=100_000)
+    with pytest.raises(openai.AuthenticationError):  # UNAUTHENTICATED: the token passes through
+        client(gateway, "not-a-valid-token-0123456789").chat.completions.create(**chat, max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client(gateway).chat.completions.create(**{**chat, "model": "gpt-4o"}, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="structured output"):  # the grammar's compile error
+        client(gateway).chat.completions.create(**chat, max_tokens=2, extra_body={"structured_output": {"regex": "([a"}})
+    held = client(gateway).chat.completions.create(**chat, max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+    next(iter(held))  # alice's one stream slot is taken
+    with pytest.raises(openai.RateLimitError):  # RESOURCE_EXHAUSTED
+        client(gateway).chat.completions.create(**chat, max_tokens=2)
+    assert client(gateway, OTHER).chat.completions.create(**chat, max_tokens=2).choices  # bob is unaffected
+    held.close()
+    stack.assert_clean()
+    fast = start_gateway(stack, request_timeout_s=0.05)
+    try:
+        with pytest.raises(openai.APIStatusError) as e:  # DEADLINE_EXCEEDED
+            client(fast).chat.completions.create(**chat, max_tokens=400, extra_body={"ignore_eos": True})
+        assert e.value.status_code == 504
+    finally:
+        stack.loop.run(fast.stop(0))
+    dead = start_gateway(stack, orchestrator_address=f"127.0.0.1:{free_port()}")
+    try:
+        with pytest.raises(openai.InternalServerError) as e:  # UNAVAILABLE
+            client(dead).chat.completions.create(**chat, max_tokens=2)
+        assert e.value.status_code == 503
+        assert httpx.get(f"{dead.url}/ready").status_code == 503
+    finally:
+        stack.loop.run(dead.stop(0))
+    stack.assert_clean()
+
+
+def test_status_table() -> None:
+    """Every mapped code, and the fallback: the statuses OpenAI's clients retry
+    (429, 5xx) are exactly the transient ones."""
+    want = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "FAILED_PRECONDITION": 400, "UNAUTHENTICATED": 401,
+            "PERMISSION_DENIED": 403, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "DEADLINE_EXCEEDED": 504,
+            "UNAVAILABLE": 503, "CANCELLED": 503}
+    assert {c.name: s for c, (s, _) in HTTP_STATUS.items()} == want
+    for code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS,
+                 grpc.StatusCode.UNIMPLEMENTED):
+        assert api_error(code, "x").status == 500
+    e = api_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many")
+    assert e.body() == {"error": {"message": "too many", "type": "rate_limit_error", "param": None,
+                                  "code": "resource_exhausted"}}
+
+
+def orchestrator_count(stack: Stack, code: str) -> float:
+    return stack.orchestrator.servicer.metrics.requests.labels("NONE", code)._value.get()
+
+
+def test_a_cancelled_stream_frees_its_sessions(stack: Stack, gateway: Any) -> None:
+    """Closing the HTTP response mid-stream cancels the Generate call: the
+    orchestrator counts it CANCELLED and both services release the sessions."""
+    before = orchestrator_count(stack, "CANCELLED")
+    stream = client(gateway).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "a long one"}], max_tokens=400, temperature=0,
+        stream=True, extra_body={**SPEC, "ignore_eos": True})
+    it = iter(stream)
+    for _ in range(3):
+        next(it)
+    assert stack.target_sessions() == 1
+    stream.close()
+    stack.assert_clean()
+    deadline = time.monotonic() + 10
+    while orchestrator_count(stack, "CANCELLED") == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert orchestrator_count(stack, "CANCELLED") == before + 1
+
+
+def test_models_health_ready_and_bad_bodies(stack: Stack, gateway: Any) -> None:
+    models = client(gateway).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert client(gateway).models.retrieve("tiny").id == "tiny"
+    assert httpx.get(f"{gateway.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{gateway.url}/ready").status_code == 200
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    r = httpx.post(f"{gateway.url}/v1/completions", content=b"x" * (5 << 20))
+    assert r.status_code == 413
+    r = httpx.post(f"{gateway.url}/v1/completions", json={"prompt": ["a", "b"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    stack.assert_clean()
+
+
+def test_curl_shows_the_sse_stream(stack: Stack, gateway: Any) -> None:
+    """The docs' `curl -N` call: one `data:` event per chunk, then `data: [DONE]`."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True,
+            "ignore_eos": True}
+    out = subprocess.run(["curl", "-sN", f"{gateway.url}/v1/chat/completions", "-H", f"Authorization: Bearer {TOKEN}",
+                          "-H", "Content-Type: application/json", "-d", json.dumps(body)],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    events = [line[len("data: "):] for line in out.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(chunks) >= 3 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    stack.assert_clean()
+
