@@ -96,13 +96,19 @@ class Gateway:
 
     def app(self) -> Starlette:
         return Starlette(routes=[
-            Route("/v1/chat/completions", lambda r: self.generate(r, "chat"), methods=["POST"]),
-            Route("/v1/completions", lambda r: self.generate(r, "completion"), methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completion, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
         ])
+
+    async def chat(self, request: Request) -> Response:
+        return await self.generate(request, "chat")
+
+    async def completion(self, request: Request) -> Response:
+        return await self.generate(request, "completion")
 
     # ------------------------------------------------------------ small routes
     def _model_card(self, name: str) -> dict[str, Any]:
@@ -181,7 +187,7 @@ class Gateway:
             if parsed.stream:
                 first = await self._until_disconnect(request, self._read(call))
                 streaming = True
-                return EventSourceResponse(self._events(call, fmt, first, rec), ping=15,
+                return EventSourceResponse(self._events(call, fmt, first, rec), ping=15, sep="\n",
                                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             msgs = await self._until_disconnect(request, self._read_all(call))
             rec.tokens = sum(len(m.token_ids) for m in msgs)

@@ -16,6 +16,7 @@ a bounded LRU; a session's state is a copy of the cached initial matcher.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import threading
 from collections import OrderedDict
@@ -92,11 +93,17 @@ class GrammarCompiler:
     tokens that end a sequence the grammar accepts."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], max_cached: int = 64) -> None:
-        import llguidance.hf
+        from llguidance import LLTokenizer
 
         self.vocab_size = vocab_size
         self.eos_ids = sorted(set(int(e) for e in eos_ids))
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.eos_ids or None)
+        # what llguidance.hf.from_tokenizer does, without its isinstance check
+        # (transformers 5's tokenizer classes are not PreTrainedTokenizerFast)
+        backend = copy.copy(getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer"))
+        backend.no_padding()
+        backend.no_truncation()
+        self.tokenizer = LLTokenizer(backend.to_str(), n_vocab=vocab_size,
+                                     eos_token=self.eos_ids or getattr(tokenizer, "eos_token_id", None))
         self.max_cached = max_cached
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()

@@ -123,6 +123,8 @@ def token_logprobs(
     temperature, top-k and top-p; the raw logits for greedy), with the
     ``top_n`` most likely tokens of each row (fewer where the support is
     smaller). A token outside the support gets -inf (it cannot be emitted)."""
+    if not tokens:
+        return []
     lp = torch.log_softmax(processed_logits(logits, cfg), dim=-1)  # [k, V]
     rows = lp[: len(tokens)]
     chosen = rows.gather(1, torch.as_tensor(list(tokens), dtype=torch.long)[:, None])[:, 0].tolist()
