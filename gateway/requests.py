@@ -143,7 +143,7 @@ def _messages(body: dict[str, Any], req: pb.GenerateRequest) -> None:
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise bad(f"messages[{i}].role", f"role {role!r} is not supported (one of {', '.join(CHAT_ROLES)})")
-        extra = set(m) - {"role", "content", "name"}
+        extra = {k for k in m if k not in ("role", "content") and m[k] is not None}
         if extra:
             raise bad(f"messages[{i}].{sorted(extra)[0]}", f"message field {sorted(extra)[0]!r} is not supported")
         req.messages.append(pb.ChatMessage(role=CHAT_ROLES[role], content=_content(m.get("content"), f"messages[{i}].content")))

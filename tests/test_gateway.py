@@ -277,3 +277,24 @@ def test_curl_shows_the_sse_stream(stack: Stack, gateway: Any) -> None:
     assert len(chunks) >= 3 and all(c["object"] == "chat.completion.chunk" for c in chunks)
     stack.assert_clean()
 
+
+
+def test_specdec_up_starts_the_gateway_on_8000() -> None:
+    """`specdec up` runs the gateway on 127.0.0.1:8000 by default, wired to its
+    orchestrator and named after the target; --gateway-port changes it, 0 drops it."""
+    from gateway.cli import config_from_args
+    from specdec_app.cli import build_parser
+    from specdec_app.up import child_commands
+
+    cmds, _ = child_commands(build_parser().parse_args(["up", "--gateway-request-timeout", "30"]), "/tmp/c")
+    argv = cmds["gateway"][cmds["gateway"].index("serve"):]
+    a = build_parser().parse_args(argv)
+    cfg = config_from_args(a, a.port)
+    assert (cfg.host, cfg.port, cfg.orchestrator_address) == ("127.0.0.1", 8000, "127.0.0.1:50051")
+    assert cfg.served_model_names == ["qwen2.5-coder-1.5b-instruct"] and cfg.request_timeout_s == 30
+    other, _ = child_commands(build_parser().parse_args(["up", "--gateway-port", "8080", "--target-model",
+                                                         "smollm2-135m-instruct"]), "/tmp/c")
+    b = build_parser().parse_args(other["gateway"][other["gateway"].index("serve"):])
+    assert b.port == 8080 and config_from_args(b, b.port).served_model_names == ["smollm2-135m-instruct"]
+    none, _ = child_commands(build_parser().parse_args(["up", "--gateway-port", "0"]), "/tmp/c")
+    assert "gateway" not in none

@@ -134,8 +134,8 @@ SAMPLER_N = 12_000
 
 def test_stated_power() -> None:
     """The bounds in this file's docstrings."""
-    assert detectable_shift(SAMPLER_N, 1 / 18, 17) == pytest.approx(0.0093, abs=5e-4)
-    assert detectable_shift(E2E_N, 1 / 18, 17) == pytest.approx(0.0279, abs=1e-3)
+    assert detectable_shift(SAMPLER_N, 1 / 18, 17) == pytest.approx(0.0124, abs=5e-4)
+    assert detectable_shift(E2E_N, 1 / 18, 17) == pytest.approx(0.0351, abs=1e-3)
 
 
 @pytest.mark.statistical
@@ -146,7 +146,7 @@ def test_sampler_with_masked_p_has_the_constrained_distribution_and_unmasked_p_d
     the draft service drafts) or not (a draft that ignores the grammar: the
     first negative control, which must still pass). Verifying against the
     unmasked p (the second negative control) must fail: it emits tokens the
-    grammar forbids, or a wrong distribution. Power: a shift of 0.0093 of
+    grammar forbids, or a wrong distribution. Power: a shift of 0.0124 of
     mass between two of the 18 outcomes of probability 1/18 is detected with
     probability 0.99."""
     p_table = conditionals(tiny_models.small_target, PROMPT, 3)
@@ -184,7 +184,7 @@ def test_sampled_constrained_output_has_the_constrained_distribution(
     matches the regex and the outputs follow the enumerated constrained
     distribution, with the draft masking q and with the draft not told the
     grammar (the orchestrator's draft_grammar off: unmasked q, the negative
-    control that must still pass). Power: a shift of 0.028 of mass between
+    control that must still pass). Power: a shift of 0.035 of mass between
     two outcomes of probability 1/18 is detected with probability 0.99.
     Negative control: the same counts against the unmasked target's
     distribution over these 18 outputs must fail."""
