@@ -27,11 +27,11 @@ MESSAGES = [("user", "hello there")]
 
 @pytest.fixture(scope="module")
 def stack(json_models, tmp_path_factory: pytest.TempPathFactory) -> Stack:  # type: ignore[no-untyped-def]
-    """A tiny pair that can write JSON, with bearer tokens and one stream per client."""
+    """A tiny pair that can write JSON, with bearer tokens and two streams per client."""
     tokens = tmp_path_factory.mktemp("gw-auth") / "tokens"
     tokens.write_text(f"alice:{TOKEN}\nbob:{OTHER}\n")
     s = start_stack(json_models.target, json_models.draft, json_models.cache_dir,
-                    orchestrator_overrides={"auth_tokens_file": tokens, "max_streams_per_client": 1})
+                    orchestrator_overrides={"auth_tokens_file": tokens, "max_streams_per_client": 2})
     yield s
     s.close()
 
@@ -185,12 +185,15 @@ def test_grpc_errors_map_to_http_statuses(stack: Stack, gateway: Any) -> None:
         client(gateway).chat.completions.create(**{**chat, "model": "gpt-4o"}, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="structured output"):  # the grammar's compile error
         client(gateway).chat.completions.create(**chat, max_tokens=2, extra_body={"structured_output": {"regex": "([a"}})
-    held = client(gateway).chat.completions.create(**chat, max_tokens=400, stream=True, extra_body={"ignore_eos": True})
-    next(iter(held))  # alice's one stream slot is taken
+    held = [client(gateway).chat.completions.create(**chat, max_tokens=400, stream=True,
+                                                    extra_body={"ignore_eos": True}) for _ in range(2)]
+    for h in held:
+        next(iter(h))  # alice's two stream slots are taken
     with pytest.raises(openai.RateLimitError):  # RESOURCE_EXHAUSTED
         client(gateway).chat.completions.create(**chat, max_tokens=2)
     assert client(gateway, OTHER).chat.completions.create(**chat, max_tokens=2).choices  # bob is unaffected
-    held.close()
+    for h in held:
+        h.close()
     stack.assert_clean()
     fast = start_gateway(stack, request_timeout_s=0.05)
     try:
