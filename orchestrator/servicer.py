@@ -416,7 +416,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 self.metrics.ttft.observe(stats.first_token_at - stats.started)
         return msg
 
-
     def _load_token_bytes(self) -> Callable[[int], bytes]:
         if self._token_bytes is None:
             self._token_bytes = token_table(self.tokenizer).get
