@@ -28,6 +28,10 @@ import numpy as np
 from specdec.errors import FailedPrecondition, InvalidArgument
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
+# JSON is written as Python's json.dumps writes it (", " and ": ", no other
+# whitespace): free whitespace lets a model pad forever. A schema's own
+# "x-guidance" options (e.g. {"whitespace_flexible": true}) override these.
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_GRAMMAR_CHARS = 256 * 1024
 
 
@@ -75,11 +79,11 @@ def _grammar_text(spec: GrammarSpec) -> str:
 
     if spec.kind == "json_schema":
         try:
-            return LLMatcher.grammar_from_json_schema(spec.source)
+            return LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_DEFAULTS)
         except ValueError as e:
             raise InvalidArgument(f"structured output: json_schema: {e}") from None
     if spec.kind == "json_object":
-        return LLMatcher.grammar_from_json_schema('{"type": "object"}')
+        return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_DEFAULTS)
     if spec.kind == "regex":
         return LLMatcher.grammar_from_regex(spec.source)
     if spec.kind == "lark":
