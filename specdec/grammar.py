@@ -135,7 +135,7 @@ class GrammarCompiler:
         """A fresh state for one sequence whose generated tokens begin at
         index ``start`` (the prompt's length). InvalidArgument, with
         llguidance's message, for a grammar that does not compile."""
-        return GrammarState(self._compile(spec).deep_copy(), self.vocab_size, start)
+        return GrammarState(self._compile(spec).deep_copy(), self.vocab_size, start, tuple(self.eos_ids))
 
     @property
     def cached(self) -> int:
@@ -145,29 +145,57 @@ class GrammarCompiler:
 @dataclass
 class GrammarState:
     """The grammar state after ``consumed`` (the sequence's tokens from index
-    ``start`` on, as far as this state has followed them)."""
+    ``start`` on, as far as this state has followed them). Once the grammar
+    has ended (an EOS consumed in an accepting state) only EOS is allowed:
+    a sequence that goes on past EOS (``ignore_eos``) repeats it."""
 
     matcher: Any
     vocab_size: int
     start: int
+    eos_ids: tuple[int, ...] = ()
     consumed: list[int] = field(default_factory=list)
+    after_stop: int = 0  # trailing EOS tokens followed after the matcher stopped (not given to it)
+
+    def _stopped(self) -> bool:
+        return bool(self.matcher.is_stopped()) and not self.matcher.is_error()
 
     def allowed(self) -> np.ndarray:
         """bool [vocab_size]: the tokens the grammar allows next (all False
-        at a dead end, or after the sequence ended)."""
+        at a dead end)."""
         if self.matcher.is_error():
             return np.zeros(self.vocab_size, dtype=bool)
+        if self._stopped():
+            out = np.zeros(self.vocab_size, dtype=bool)
+            out[[e for e in self.eos_ids if e < self.vocab_size]] = True
+            return out
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        if self.matcher.is_error():  # llguidance finds no token that extends the output: a dead end
+            return np.zeros(self.vocab_size, dtype=bool)
         return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
 
     def advance(self, token: int) -> bool:
         """Consumes ``token`` if the grammar allows it (True); else leaves the state as it was (False)."""
-        if self.matcher.validate_tokens([int(token)]) != 1:
+        token = int(token)
+        if self._stopped():
+            if token not in self.eos_ids:
+                return False
+            self.after_stop += 1
+        elif self.matcher.validate_tokens([token]) != 1 or not self.matcher.consume_token(token):
             return False
-        ok = bool(self.matcher.consume_token(int(token)))
-        if ok:
-            self.consumed.append(int(token))
-        return ok
+        self.consumed.append(token)
+        return True
+
+    def follow_allowed(self, tokens: Sequence[int], position: int) -> int:
+        """:meth:`follow` for tokens the caller drew from this state's masks:
+        how many of them the grammar took (all, unless llguidance's mask let
+        through a token its parser then refuses, which happens only with a
+        vocabulary that lacks bytes the grammar needs; the rest is dropped)."""
+        for i in range(len(tokens)):
+            try:
+                self.follow(tokens[i : i + 1], position + i)
+            except InvalidArgument:
+                return i
+        return len(tokens)
 
     def allowed_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` the grammar allows in a row from here (the state is unchanged)."""
@@ -179,8 +207,12 @@ class GrammarState:
         """Forgets the last ``n`` consumed tokens."""
         if n <= 0:
             return
-        if n > len(self.consumed) or not self.matcher.rollback(n):
+        if n > len(self.consumed):
             raise FailedPrecondition(f"structured output: cannot roll the grammar back {n} tokens")
+        extra = min(n, self.after_stop)
+        if n > extra and not self.matcher.rollback(n - extra):
+            raise FailedPrecondition(f"structured output: cannot roll the grammar back {n} tokens")
+        self.after_stop -= extra
         del self.consumed[-n:]
 
     def follow(self, tokens: Sequence[int], position: int) -> None:

@@ -31,6 +31,7 @@ from specdec.logging_util import log
 from specdec.sampling import (
     SamplingConfig,
     SparseQ,
+    VerifyResult,
     greedy_verify,
     logit_gaps,
     make_generator,
@@ -413,8 +414,8 @@ class TargetEngine:
                 gap = logit_gaps(last)[0]
                 if sess.top_logprobs >= 0:
                     lps = token_logprobs(last, sess.cfg, [nxt], sess.top_logprobs)
-                if sess.grammar is not None:
-                    sess.grammar.follow([nxt], len(call.token_ids))
+                if sess.grammar is not None and not sess.grammar.follow_allowed([nxt], len(call.token_ids)):
+                    nxt, lps, dead = None, [], True
         with self._lock:
             self._sessions[sess.session_id] = sess
         return PrefillOutcome(sess.session_id, nxt, gap, sess.cache_len, lps, dead)
@@ -447,7 +448,14 @@ class TargetEngine:
             sess.cache.crop(keep - written)  # negative: tokens to remove
         tokens = list(draft_ids[: res.num_accepted]) + ([] if dead_end else [res.next_token])
         if sess.grammar is not None:
-            sess.grammar.follow(tokens, sess.cache_len + len(call.new_ids))
+            taken = sess.grammar.follow_allowed(tokens, sess.cache_len + len(call.new_ids))
+            if taken < len(tokens):  # the parser refused what the mask allowed: end the sequence there
+                tokens, dead_end = tokens[:taken], True
+                cut = min(keep, sess.cache_len + len(call.new_ids) + taken)
+                if cut < keep:
+                    sess.cache.crop(cut - keep)
+                    keep = cut
+                    res = VerifyResult(taken, res.next_token, False)  # only the tokens the grammar took count
         sess.cache_len = keep
         emitted = rows[: len(tokens)]
         lps = token_logprobs(emitted, sess.cfg, tokens, sess.top_logprobs) if sess.top_logprobs >= 0 else []

@@ -85,8 +85,8 @@ def tiny_onnx(tiny_models: TinyModels, onnx_cache_dir: Path) -> TinyOnnx:
     return TinyOnnx(cache_dir=onnx_cache_dir, **dirs)
 
 
-#: characters for structured output tests: JSON punctuation, digits and text -> vocab 47
-JSON_CHARS = 'abcdefghijklmnopqrstuvwxyz{}[]":,. 0123456789\n'
+#: characters for structured output tests: JSON punctuation, digits, '-' and text -> vocab 48
+JSON_CHARS = 'abcdefghijklmnopqrstuvwxyz{}[]":,.- 0123456789\n'
 
 
 @dataclass(frozen=True)
