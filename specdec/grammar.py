@@ -135,7 +135,8 @@ class GrammarCompiler:
         """A fresh state for one sequence whose generated tokens begin at
         index ``start`` (the prompt's length). InvalidArgument, with
         llguidance's message, for a grammar that does not compile."""
-        return GrammarState(self._compile(spec).deep_copy(), self.vocab_size, start, tuple(self.eos_ids))
+        initial = self._compile(spec)
+        return GrammarState(initial.deep_copy(), self.vocab_size, start, tuple(self.eos_ids), initial=initial)
 
     @property
     def cached(self) -> int:
@@ -155,6 +156,7 @@ class GrammarState:
     eos_ids: tuple[int, ...] = ()
     consumed: list[int] = field(default_factory=list)
     after_stop: int = 0  # trailing EOS tokens followed after the matcher stopped (not given to it)
+    initial: Any = None  # the compiled grammar's initial matcher (shared; never advanced)
 
     def _stopped(self) -> bool:
         return bool(self.matcher.is_stopped()) and not self.matcher.is_error()
@@ -169,9 +171,21 @@ class GrammarState:
             out[[e for e in self.eos_ids if e < self.vocab_size]] = True
             return out
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        if self.matcher.is_error():  # llguidance finds no token that extends the output: a dead end
+        if self.matcher.is_error():
+            # llguidance found no token that extends the output (a dead end) and
+            # left its matcher in an error state, which cannot roll back: replay
+            # the tokens on a fresh copy, so that callers can still roll back
+            self._replay()
             return np.zeros(self.vocab_size, dtype=bool)
         return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+
+    def _replay(self) -> None:
+        if self.initial is None:
+            return
+        self.matcher = self.initial.deep_copy()
+        real = self.consumed[: len(self.consumed) - self.after_stop]
+        if real and not self.matcher.consume_tokens(real):
+            raise FailedPrecondition("structured output: the grammar state could not be replayed")
 
     def advance(self, token: int) -> bool:
         """Consumes ``token`` if the grammar allows it (True); else leaves the state as it was (False)."""

@@ -33,11 +33,12 @@ from tests.stack import Stack, make_request, start_stack
 from tests.test_sampling import assert_detects, assert_matches, detectable_shift
 
 # the small model's vocabulary: 0 = EOS, 1..5 = "abcde"; this regex allows a
-# product set of 3-token outputs: {a,b} x {c,d,e} x {a,c,e} (18 outcomes)
-REGEX = "[ab][cde][ace]"
-ALLOWED = [(1, 2), (3, 4, 5), (1, 3, 5)]
+# product set of 3-token outputs: {b,d} x {a,c,e} x {b,c,e} (18 outcomes; at
+# temperature 2, 12 of them have probability 0.01 or more)
+REGEX = "[bd][ace][bce]"
+ALLOWED = [(2, 4), (1, 3, 5), (2, 3, 5)]
 PROMPT = [1, 2, 3]
-CFG = SamplingConfig(temperature=1.0)
+CFG = SamplingConfig(temperature=2.0)
 
 
 def grammar_request(kind: str, source: str = "", **fields: object) -> pb.GenerateRequest:
@@ -134,8 +135,8 @@ SAMPLER_N = 12_000
 
 def test_stated_power() -> None:
     """The bounds in this file's docstrings."""
-    assert detectable_shift(SAMPLER_N, 1 / 18, 17) == pytest.approx(0.0124, abs=5e-4)
-    assert detectable_shift(E2E_N, 1 / 18, 17) == pytest.approx(0.0351, abs=1e-3)
+    assert detectable_shift(SAMPLER_N, 0.05, 12) == pytest.approx(0.0112, abs=5e-4)
+    assert detectable_shift(E2E_N, 0.05, 12) == pytest.approx(0.0436, abs=1e-3)
 
 
 @pytest.mark.statistical
@@ -146,15 +147,16 @@ def test_sampler_with_masked_p_has_the_constrained_distribution_and_unmasked_p_d
     the draft service drafts) or not (a draft that ignores the grammar: the
     first negative control, which must still pass). Verifying against the
     unmasked p (the second negative control) must fail: it emits tokens the
-    grammar forbids, or a wrong distribution. Power: a shift of 0.0124 of
-    mass between two of the 18 outcomes of probability 1/18 is detected with
+    grammar forbids, or a wrong distribution. Power: a shift of 0.0112 of
+    mass between two outcomes of probability 0.05 (12 degrees of freedom, about
+    the bins left after merging those expected below 5) is detected with
     probability 0.99."""
     p_table = conditionals(tiny_models.small_target, PROMPT, 3)
     q_table = conditionals(tiny_models.small_draft, PROMPT, 3)
     want = exact(p_table, CFG)
     outcomes = list(itertools.product(range(6), repeat=3))  # every output; those outside the grammar have 0
     probs = np.array([want.get(s, 0.0) for s in outcomes])
-    assert probs.sum() == pytest.approx(1.0, abs=1e-5) and min(want.values()) > 0.002
+    assert probs.sum() == pytest.approx(1.0, abs=1e-4) and sum(p >= 0.01 for p in want.values()) >= 10
 
     def allowed(prefix: tuple[int, ...]) -> tuple[int, ...] | None:
         return ALLOWED[len(prefix)] if len(prefix) < 3 else None
@@ -172,7 +174,7 @@ def test_sampler_with_masked_p_has_the_constrained_distribution_and_unmasked_p_d
     assert_detects(counts_of(wrong, outcomes), probs)
 
 
-E2E_N = 1_500
+E2E_N = 800
 
 
 @pytest.mark.statistical
@@ -180,12 +182,13 @@ E2E_N = 1_500
 def test_sampled_constrained_output_has_the_constrained_distribution(
     small_stack: Stack, tiny_models, draft_grammar: bool,  # type: ignore[no-untyped-def]
 ) -> None:
-    """Through the services (FIXED γ = 2, 1,500 seeded requests): every output
+    """Through the services (FIXED γ = 2, 800 seeded requests): every output
     matches the regex and the outputs follow the enumerated constrained
     distribution, with the draft masking q and with the draft not told the
     grammar (the orchestrator's draft_grammar off: unmasked q, the negative
-    control that must still pass). Power: a shift of 0.035 of mass between
-    two outcomes of probability 1/18 is detected with probability 0.99.
+    control that must still pass). Power: a shift of 0.044 of mass between
+    two outcomes of probability 0.05 is detected with probability 0.99 (12
+    degrees of freedom).
     Negative control: the same counts against the unmasked target's
     distribution over these 18 outputs must fail."""
     cfg = small_stack.orchestrator.servicer.cfg
@@ -197,7 +200,7 @@ def test_sampled_constrained_output_has_the_constrained_distribution(
         samples, drafted, accepted = [], 0, 0
         for seed in range(E2E_N):
             r = run(small_stack, grammar_request("regex", REGEX, prompt_token_ids=PROMPT, max_new_tokens=3,
-                                                 temperature=1.0, seed=seed, mode="fixed", gamma=2))
+                                                 temperature=CFG.temperature, seed=seed, mode="fixed", gamma=2))
             samples.append(tuple(r["token_ids"]))
             drafted += r["stats"].draft_tokens
             accepted += r["stats"].accepted_tokens
@@ -239,7 +242,8 @@ def test_constrained_greedy_equals_constrained_off(json_stack: Stack, kind: str,
     off = run(json_stack, grammar_request(kind, source, mode="off", **fields))
     spec = run(json_stack, grammar_request(kind, source, mode=mode, gamma=gamma, draft_mode=draft_mode, **fields))
     assert spec["token_ids"] == off["token_ids"] and spec["text"] == off["text"]
-    assert spec["stats"].draft_tokens > 0 and spec["stats"].accepted_tokens > 0
+    if mode == "fixed":  # (AUTO's γ follows measured costs: it may draft little)
+        assert spec["stats"].draft_tokens > 0 and spec["stats"].accepted_tokens > 0
     if kind == "json_schema":
         assert off["finish_reason"] == pb.FINISH_REASON_EOS  # the schema is finite: the grammar ends it
         jsonschema.validate(json.loads(off["text"]), SCHEMA)
