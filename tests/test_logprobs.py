@@ -50,7 +50,8 @@ def test_greedy_logprobs_are_the_same_in_off_and_speculative_modes(
     off = stack.generate(prompt=PROMPT, mode="off", max_new_tokens=30, top_logprobs=5)
     spec = stack.generate(prompt=PROMPT, mode=mode, gamma=gamma, max_new_tokens=30, top_logprobs=5,
                           draft_mode=draft_mode)
-    assert spec["stats"].accepted_tokens > 0  # tokens came from verified spans
+    if mode == "fixed":  # tokens came from verified spans (AUTO's γ follows measured costs: it may draft little)
+        assert spec["stats"].accepted_tokens > 0
     assert spec["token_ids"] == off["token_ids"]
     a, b = flat(off), flat(spec)
     assert [x.chosen.token_id for x in a] == off["token_ids"] and len(b) == len(a) == 30
