@@ -59,7 +59,8 @@ class FakeService:
         self._call("info")
         return self.address
 
-    async def prefill(self, token_ids: Any, cfg: Any, sample_next: bool, rng_offset: int, timeout: Any) -> PrefillReply:
+    async def prefill(self, token_ids: Any, cfg: Any, sample_next: bool, rng_offset: int, timeout: Any,
+                      options: Any = None) -> PrefillReply:
         self._call("prefill")
         return PrefillReply(self._new(), 1, 0.0, len(token_ids), 0.0)
 
@@ -69,7 +70,7 @@ class FakeService:
         self._known(sid)
         return VerifyReply(0, 1, cache_len + len(new_ids), [0.0], 0.0, 0.0)
 
-    async def create(self, cfg: Any, drafter: str, timeout: Any, rng_offset: int = 0) -> str:
+    async def create(self, cfg: Any, drafter: str, timeout: Any, rng_offset: int = 0, options: Any = None) -> str:
         self._call("create")
         return self._new()
 
