@@ -310,8 +310,9 @@ class Decoder:
                 post = (proposal.post[0], proposal.post[1] if sampled else None)
             tokens_in_pass = len(self.committed) - self.target_cache_len + len(draft_ids)
             t0 = time.perf_counter()
+            empty = proposal is not None and not draft_ids  # the drafter had nothing to propose
             verified, draft_ids = await self._verify(draft_ids, q, post)
-            if not draft_ids:
+            if not draft_ids and not empty:
                 proposal = None  # the target refused the draft's part: this round ran target-only
             done = time.perf_counter()
             verify_wall_ms = (done - t0) * 1e3

@@ -70,6 +70,18 @@ class RoundObservation:
     fed_tokens: int = 0
 
 
+def tried_positions(obs: RoundObservation) -> int:
+    """Draft positions a round tried, for acceptance counting. A span the
+    drafter left empty when asked for one (a model-free drafter that found no
+    match, or a confidence stop before the first token) cost a draft call and
+    yielded nothing: it counts as a rejection at the first position, so a
+    drafter that is often empty is priced by its hit rate,
+    P(first token accepted) = P(non-empty) x P(accepted | non-empty)."""
+    if obs.gamma <= 0:
+        return 1 if obs.requested > 0 else 0
+    return obs.gamma
+
+
 class DraftLengthPolicy(Protocol):
     name: str
 
@@ -408,16 +420,17 @@ class AdaptivePolicy:
         return min(self.cfg.confidence_max, scale * max(self.last_scores.values()) * m)
 
     def observe(self, obs: RoundObservation) -> None:
+        tried_n = tried_positions(obs)
         if self.update_shared:
             self.costs.observe(obs)
-            if obs.gamma > 0:
-                self.prior.update(obs.gamma, obs.accepted, CONTINUED if obs.continued else FRESH)
+            if tried_n > 0:
+                self.prior.update(tried_n, obs.accepted, CONTINUED if obs.continued else FRESH)
         state, self._state = self._state, (CONTINUED if 0 < obs.gamma == obs.accepted else FRESH)
-        if obs.gamma <= 0:
+        if tried_n <= 0:
             return
         acc, tried = self._acc[state], self._tried[state]
         shared = self.prior.alphas(state=state)
-        for i in range(min(obs.gamma, self.cfg.gamma_max)):
+        for i in range(min(tried_n, self.cfg.gamma_max)):
             if i > obs.accepted:
                 break
             tried[i] += 1.0
@@ -499,6 +512,7 @@ class PolicyFactory:
         adaptive requests start from what the server has already seen."""
         prior, costs = self._shared(drafter)
         costs.observe(obs)
-        if obs.gamma > 0:
-            prior.update(obs.gamma, obs.accepted, CONTINUED if obs.continued else FRESH)
+        tried_n = tried_positions(obs)
+        if tried_n > 0:
+            prior.update(tried_n, obs.accepted, CONTINUED if obs.continued else FRESH)
 

@@ -485,3 +485,48 @@ def test_a_probe_is_never_cut_short_by_the_confidence_stop() -> None:
     assert probes >= 2
     fast = _policy_with_alpha(0.95)
     assert fast.next_gamma() > 0 and fast.stop_confidence() > 0.0
+
+
+def _run_sometimes_empty_drafter(hit_rate: float, rounds: int = 300) -> tuple[AdaptivePolicy, list[int]]:
+    """A model-free drafter (0.3 ms a token, 1.5 ms a call) whose spans, when
+    it has one, are accepted at α = 0.9, but which finds nothing to propose
+    with probability 1 − ``hit_rate`` (an empty span still costs the call)."""
+    factory = PolicyFactory()
+    factory.set_cost_priors(verify_curve=KQ_CURVE, draft_token_ms={"lookup": 0.3})
+    policy = factory.make("auto", 0, "lookup")
+    assert isinstance(policy, AdaptivePolicy)
+    rng = random.Random(7)
+    gammas = []
+    for _ in range(rounds):
+        g = policy.next_gamma()
+        gammas.append(g)
+        if g == 0:
+            obs = RoundObservation(gamma=0, accepted=0, verify_ms=35.0, verify_compute_ms=35.0, tokens_in_pass=1)
+        elif rng.random() >= hit_rate:  # nothing to propose
+            obs = RoundObservation(gamma=0, accepted=0, draft_ms=1.5, draft_compute_ms=0.1, verify_ms=35.0,
+                                   verify_compute_ms=35.0, tokens_in_pass=1, requested=g)
+        else:
+            acc = 0
+            while acc < g and rng.random() < 0.9:
+                acc += 1
+            obs = RoundObservation(gamma=g, accepted=acc, draft_ms=1.5 + 0.3 * g, draft_compute_ms=0.3 * g,
+                                   verify_ms=KQ_CURVE.get(g + 1, 45.0), verify_compute_ms=KQ_CURVE.get(g + 1, 45.0),
+                                   tokens_in_pass=g + 1, requested=g)
+        policy.observe(obs)
+        factory.observe(obs, "lookup")  # the orchestrator's stats path
+    return policy, gammas
+
+
+def test_an_empty_span_counts_as_a_miss_so_a_drafter_is_priced_by_its_hit_rate() -> None:
+    """A span the drafter left empty cost a call and yielded nothing: the
+    policy's first-position acceptance is P(non-empty) x P(accepted), so a
+    drafter that rarely has a proposal stops being asked (it cost every round
+    a Propose call while the policy, counting only its hits, saw α = 0.9);
+    one that usually has one keeps speculating. Negative control: counting
+    only non-empty spans (the old rule) would put α₀ near 0.9 for both."""
+    rare, rare_gammas = _run_sometimes_empty_drafter(0.03)
+    assert rare.alphas()[0] < 0.3
+    assert sum(g > 0 for g in rare_gammas[-100:]) <= 10  # only probes
+    often, often_gammas = _run_sometimes_empty_drafter(0.9)
+    assert 0.65 < often.alphas()[0] < 0.9
+    assert sum(g > 0 for g in often_gammas[-100:]) >= 90
