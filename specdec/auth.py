@@ -6,6 +6,9 @@
   tokens file that is re-read when it changes (rotation without restart):
   UNAUTHENTICATED for a missing, malformed or unknown token,
   PERMISSION_DENIED for a token whose scopes exclude the method;
+- under mutual TLS, the client certificate's identity (CN or a DNS SAN)
+  against the server's allow-list (``client_names``): PERMISSION_DENIED for
+  a certificate of another identity, UNAUTHENTICATED without one;
 - a per-client-identity limit on concurrent calls (RESOURCE_EXHAUSTED);
 - a call whose deadline has already passed does no work (DEADLINE_EXCEEDED).
 
@@ -39,7 +42,7 @@ import grpc
 
 from specdec.errors import InvalidArgument
 from specdec.logging_util import log
-from specdec.tls import FileWatcher
+from specdec.tls import FileWatcher, peer_names
 
 logger = logging.getLogger("specdec.auth")
 
@@ -205,13 +208,28 @@ class ServerGuard(grpc.aio.ServerInterceptor):
         self.protect_health = protect_health
         self.max_calls_per_client = max_calls_per_client
         self.active: Counter[str] = Counter()  # identity -> calls in flight (limited methods)
+        self.client_names: frozenset[str] = frozenset()  # accepted client certificate identities; empty = any
 
     def _is_open(self, method: str) -> bool:
         return not self.protect_health and method.lstrip("/").split("/", 1)[0] in OPEN_SERVICES
 
+    def _check_certificate(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        """The client certificate's identity must be allowed (health and
+        reflection stay open, as for tokens)."""
+        if not self.client_names or self._is_open(method):
+            return
+        names = peer_names(context.auth_context() or {})
+        if not names:
+            raise _Reject(grpc.StatusCode.UNAUTHENTICATED, "this service requires a client certificate")
+        if not self.client_names & set(names):
+            raise _Reject(grpc.StatusCode.PERMISSION_DENIED,
+                          f"client certificate {names[0]!r} may not call {method} "
+                          f"(allowed: {', '.join(sorted(self.client_names))})")
+
     def _identity(self, context: grpc.aio.ServicerContext, method: str) -> str | None:
         """Authenticates the call; returns the client identity (None for an
         open method without authentication)."""
+        self._check_certificate(context, method)
         if self.tokens is None or self._is_open(method):
             return None
         values = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
