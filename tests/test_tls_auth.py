@@ -526,3 +526,23 @@ def test_every_request_is_counted_by_status_code_and_logged(stack: Stack, caplog
     assert "alice" in text and "UNAUTHENTICATED" in text and "INVALID_ARGUMENT" in text and "CANCELLED" in text
     # the guard's refusals are logged under the orchestrator, not specdec.auth
     assert not [r for r in caplog.records if r.name == "specdec.auth" and "rejected" in r.getMessage()]
+
+
+def test_specdec_up_gives_each_service_its_own_certificate(certs: Path) -> None:
+    """`specdec up --tls-dir`: each child serves its own dev certificate, the
+    orchestrator presents its own upstream (the identity target and draft
+    accept), and every child's argv parses with the real CLI."""
+    from specdec.service_cli import server_tls
+    from specdec_app.cli import build_parser
+    from specdec_app.up import SERVE, child_commands
+
+    a = build_parser().parse_args(["up", "--tls-dir", str(certs)])
+    cmds, _ = child_commands(a, "/tmp/cache")
+    parsed = {name: build_parser().parse_args(argv[len(SERVE) - 1:]) for name, argv in cmds.items()}
+    for name in ("target", "draft", "orchestrator"):
+        assert parsed[name].tls_cert == certs / f"{name}.crt" and parsed[name].tls_key == certs / f"{name}.key"
+    assert server_tls(parsed["target"]).allowed_clients(["specdec.v1.Target"]) == {"specdec-orchestrator"}
+    assert parsed["orchestrator"].upstream_cert == certs / "orchestrator.crt"
+    out = subprocess.run(["openssl", "x509", "-in", str(parsed["orchestrator"].upstream_cert), "-noout", "-subject"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "CN = specdec-orchestrator" in out or "CN=specdec-orchestrator" in out
