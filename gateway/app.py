@@ -93,6 +93,7 @@ class Gateway:
         self.created = int(time.time())
         self.metrics = GatewayMetrics.create()
         self.metrics.active.set_function(lambda: self.active)
+        self.token_refusal, self.token_warning = config.plaintext_tokens()
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -181,7 +182,11 @@ class Gateway:
                 raise ApiError(503, "the gateway is shutting down; retry", None, "service_unavailable_error")
             parsed = parse(kind, await self._body(request), self.cfg.served_model_names)
             rec.model, rec.stream, rec.user = parsed.model, parsed.stream, parsed.user
-            metadata = [("authorization", request.headers["authorization"])] if "authorization" in request.headers else []
+            metadata = []
+            if "authorization" in request.headers:
+                if self.token_refusal:  # never pass a bearer token on over plaintext
+                    raise ApiError(403, self.token_refusal, None, "permission_error", "plaintext_token")
+                metadata = [("authorization", request.headers["authorization"])]
             call = self.stub.Generate(parsed.request, timeout=self.cfg.request_timeout_s, metadata=metadata)
             fmt = Formatter(parsed)
             if parsed.stream:

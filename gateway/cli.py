@@ -33,6 +33,10 @@ def add_serve_arguments(p: argparse._ActionsContainer) -> None:
     p.add_argument("--orchestrator-cert", type=Path, default=None, help="client certificate (mutual TLS)")
     p.add_argument("--orchestrator-key", type=Path, default=None, help="key of --orchestrator-cert")
     p.add_argument("--orchestrator-server-name", default="", help="name checked against the orchestrator's certificate")
+    p.add_argument("--allow-plaintext-tokens", action="store_true",
+                   help="pass Authorization headers on although plain HTTP on a non-loopback --host or a plaintext "
+                        "non-loopback orchestrator channel carries them (a mesh or proxy encrypts the hop; logged). "
+                        "Without it such requests get HTTP 403")
     add_arguments(p)
 
 
@@ -56,7 +60,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> GatewayConfig:
                                     a.orchestrator_server_name),
         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
         request_timeout_s=a.request_timeout, max_body_bytes=a.max_body_bytes,
-        metrics_port=a.metrics_port, metrics_host=a.metrics_host,
+        metrics_port=a.metrics_port, metrics_host=a.metrics_host, allow_plaintext_tokens=a.allow_plaintext_tokens,
     )
 
 

@@ -28,3 +28,25 @@ class GatewayConfig:
     ready_timeout_s: float = 1.0  # the orchestrator health check behind /ready
     metrics_port: int = 0  # Prometheus /metrics on its own port; 0 = off
     metrics_host: str = "127.0.0.1"
+    # pass bearer tokens on over a plaintext orchestrator channel off loopback
+    # (something else encrypts that hop); without it such requests get HTTP 403
+    allow_plaintext_tokens: bool = False
+
+    def plaintext_tokens(self) -> tuple[str, str]:
+        """(why a request carrying a token is refused, the warning to log at
+        start-up), each "" when it does not apply. The orchestrator channel is
+        this gateway's own hop: plaintext off loopback refuses tokens unless
+        ``allow_plaintext_tokens``. Plain HTTP on a non-loopback host only
+        warns: TLS commonly ends at an ingress in front of it."""
+        from specdec.auth import check_token_transport, is_loopback
+
+        warnings = []
+        if self.tls_cert is None and not is_loopback(self.host):
+            warnings.append(f"the gateway serves plain HTTP on {self.host}: clients' bearer tokens are readable on "
+                            "the way unless TLS ends in front of it (an ingress) or it serves --tls-cert")
+        try:
+            w = check_token_transport("client", self.orchestrator_address, encrypted=self.orchestrator_tls is not None,
+                                      allow_plaintext=self.allow_plaintext_tokens)
+        except ValueError as e:
+            return str(e), "; ".join(warnings)
+        return "", "; ".join(warnings + ([w] if w else []))

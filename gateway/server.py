@@ -84,6 +84,11 @@ async def start(config: GatewayConfig) -> GatewayServer:
     """Opens the orchestrator channel and serves HTTP until stopped."""
     channel = aio_channel(config.orchestrator_address, config.orchestrator_tls, channel_options(config.max_message_bytes))
     gateway = Gateway(config, channel)
+    if gateway.token_warning:
+        log(logger, logging.WARNING, gateway.token_warning)
+    if gateway.token_refusal:
+        log(logger, logging.WARNING, "requests carrying bearer tokens will be refused (HTTP 403)",
+            reason=gateway.token_refusal)
     tls: dict[str, Any] = {}
     if config.tls_cert:
         tls = {"ssl_certfile": str(config.tls_cert), "ssl_keyfile": str(config.tls_key)}

@@ -88,6 +88,9 @@ def add_arguments(p: argparse._ActionsContainer) -> None:
     p.add_argument("--auth-tokens-file", type=Path, default=None,
                    help="bearer tokens ('token' or 'name:token[:scopes]' per line); reloaded on change or SIGHUP")
     p.add_argument("--auth-protect-health", action="store_true", help="require a token for health and reflection too")
+    p.add_argument("--allow-plaintext-tokens", action="store_true",
+                   help="with --auth-tokens-file and no --tls-cert on a non-loopback --host: accept tokens in "
+                        "plaintext anyway (a mesh or proxy encrypts the hop; logged as a warning). Refused without it")
     p.add_argument("--max-streams-per-client", type=int, default=0,
                    help="concurrent Generate calls per client identity (token name, else peer); 0 = unlimited")
 
@@ -108,7 +111,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> OrchestratorConfig:
     if not 0.0 <= a.min_confidence < 1.0:
         raise cli_error(f"--min-confidence must be in [0, 1), got {a.min_confidence}")
     check_speculation_args(a)
-    return OrchestratorConfig(
+    cfg = OrchestratorConfig(
         target_addresses=targets, draft_addresses=drafts, tokenizer=a.target_model,
         host=a.host, port=port, cache_dir=a.cache_dir, default_num_draft_tokens=a.num_draft_tokens,
         default_max_new_tokens=a.default_max_new_tokens, metrics_port=a.metrics_port,
@@ -123,8 +126,13 @@ def config_from_args(a: argparse.Namespace, port: int) -> OrchestratorConfig:
         tls=server_tls(a),
         upstream_tls=client_tls(a.upstream_ca, a.upstream_cert, a.upstream_key, a.upstream_server_name),
         auth_tokens_file=a.auth_tokens_file, auth_protect_health=a.auth_protect_health,
-        max_streams_per_client=a.max_streams_per_client,
+        max_streams_per_client=a.max_streams_per_client, allow_plaintext_tokens=a.allow_plaintext_tokens,
     )
+    try:
+        cfg.check_token_transport()  # refused here with a one-line error; start() logs the warning
+    except ValueError as e:
+        raise cli_error(str(e)) from None
+    return cfg
 
 
 def add_serve_command(sub: Any) -> None:

@@ -93,3 +93,17 @@ class OrchestratorConfig:
     auth_tokens_file: Path | None = None  # bearer tokens for the public API; None = no authentication
     auth_protect_health: bool = False  # also require a token for health and reflection
     max_streams_per_client: int = 0  # concurrent Generate calls per client identity; 0 = unlimited
+    # accept bearer tokens over plaintext off loopback (something else encrypts
+    # the hop); without it such a config is refused (specdec.auth.check_token_transport)
+    allow_plaintext_tokens: bool = False
+
+    def check_token_transport(self) -> str:
+        """ValueError when the public API would accept bearer tokens in
+        plaintext off loopback without ``allow_plaintext_tokens``; the warning
+        to log with it ("" when safe)."""
+        if self.auth_tokens_file is None:
+            return ""
+        from specdec.auth import check_token_transport
+
+        return check_token_transport("server", self.host, encrypted=self.tls is not None,
+                                     allow_plaintext=self.allow_plaintext_tokens)

@@ -146,6 +146,9 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
     """Starts the public API; health turns SERVING once the tokenizer is loaded
     and the target answers. A draft that is absent or has another tokenizer
     leaves the service running target-only (logged)."""
+    plaintext_tokens = config.check_token_transport()  # ValueError before anything starts
+    if plaintext_tokens:
+        log(logger, logging.WARNING, plaintext_tokens, host=config.host)
     metrics = OrchestratorMetrics.create()
     events = RoutingMetrics(metrics)
 

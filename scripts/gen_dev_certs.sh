@@ -6,20 +6,25 @@
 #
 # OUT_DIR (default ./certs) receives:
 #   ca.crt, ca.key        a development CA (10 years)
-#   server.crt, server.key   one certificate for all three services (2 years),
-#                         usable as server AND client certificate, SANs:
-#                         localhost, 127.0.0.1, ::1, and for each service
-#                         (specdec-orchestrator, specdec-draft, specdec-target)
-#                         and its headless variant (<name>-headless): the bare
-#                         name, <name>.<ns>, <name>.<ns>.svc,
+#   <svc>.crt, <svc>.key  one certificate per service (2 years), svc in
+#                         orchestrator, draft, target, gateway: CN
+#                         specdec-<svc> (its identity under mutual TLS: target
+#                         and draft accept only specdec-orchestrator as a
+#                         client), usable as server AND client certificate,
+#                         SANs: localhost, 127.0.0.1, ::1, specdec-internal
+#                         (the name the manifests verify pods dialled by IP
+#                         against) and, for the service and its headless
+#                         variant (specdec-<svc>[-headless]): the bare name,
+#                         <name>.<ns>, <name>.<ns>.svc,
 #                         <name>.<ns>.svc.cluster.local and the pod wildcard
 #                         *.<name>.<ns>.svc.cluster.local, for every NAMESPACE
 #                         (default: specdec default)
-#   client.crt, client.key   a client certificate (CN specdec-client): the
-#                         orchestrator's upstream identity in `specdec up
-#                         --tls-dir`, and for clients of an mTLS endpoint
-# Kubernetes layout (docs/security.md): tls.crt=server.crt, tls.key=server.key,
-# ca.crt=ca.crt in a Secret mounted at /etc/specdec/tls/.
+#   client.crt, client.key   a client certificate (CN specdec-client), for
+#                         clients of an mTLS endpoint (not accepted by target
+#                         or draft)
+# Kubernetes layout (docs/security.md): one Secret per service,
+# specdec-tls-<svc> with tls.crt=<svc>.crt, tls.key=<svc>.key, ca.crt=ca.crt,
+# mounted at /etc/specdec/tls/.
 set -euo pipefail
 
 out="${1:-certs}"
@@ -31,15 +36,17 @@ mkdir -p "$out"
 cd "$out"
 umask 077
 
-sans="DNS:localhost,IP:127.0.0.1,IP:::1"
-for svc in specdec-orchestrator specdec-draft specdec-target; do
-  for name in "$svc" "$svc-headless"; do
-    sans+=",DNS:$name"
+local_sans="DNS:localhost,IP:127.0.0.1,IP:::1,DNS:specdec-internal"
+service_sans() {  # the DNS SANs of one service's names in every namespace
+  local out=""
+  for name in "$1" "$1-headless"; do
+    out+=",DNS:$name"
     for ns in "${namespaces[@]}"; do
-      sans+=",DNS:$name.$ns,DNS:$name.$ns.svc,DNS:$name.$ns.svc.cluster.local,DNS:*.$name.$ns.svc.cluster.local"
+      out+=",DNS:$name.$ns,DNS:$name.$ns.svc,DNS:$name.$ns.svc.cluster.local,DNS:*.$name.$ns.svc.cluster.local"
     done
   done
-done
+  echo "$out"
+}
 
 openssl req -x509 -newkey rsa:2048 -nodes -sha256 -days 3650 \
   -keyout ca.key -out ca.crt -subj "/CN=specdec dev CA" \
@@ -59,9 +66,11 @@ issue() {  # name CN extendedKeyUsage SANs
   rm -f "$name.csr" "$name.ext"
 }
 
-issue server specdec-server "serverAuth,clientAuth" "$sans"
+for svc in orchestrator draft target gateway; do
+  issue "$svc" "specdec-$svc" "serverAuth,clientAuth" "$local_sans$(service_sans "specdec-$svc")"
+done
 issue client specdec-client "clientAuth" ""
 rm -f ca.srl
 chmod 600 ./*.key
 chmod 644 ./*.crt
-echo "gen_dev_certs.sh: wrote ca.crt server.crt server.key client.crt client.key (+ ca.key) to $(pwd)"
+echo "gen_dev_certs.sh: wrote ca.crt {orchestrator,draft,target,gateway,client}.{crt,key} (+ ca.key) to $(pwd)"

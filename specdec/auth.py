@@ -6,10 +6,19 @@
   tokens file that is re-read when it changes (rotation without restart):
   UNAUTHENTICATED for a missing, malformed or unknown token,
   PERMISSION_DENIED for a token whose scopes exclude the method;
+- under mutual TLS, the client certificate's identity (CN or a DNS SAN)
+  against the server's allow-list (``client_names``): PERMISSION_DENIED for
+  a certificate of another identity, UNAUTHENTICATED without one;
 - a per-client-identity limit on concurrent calls (RESOURCE_EXHAUSTED);
 - a call whose deadline has already passed does no work (DEADLINE_EXCEEDED).
 
 Health and reflection stay open unless ``protect_health``.
+
+Bearer tokens never travel in plaintext by accident: :func:`check_token_transport`
+refuses a plaintext hop that carries them (a server accepting tokens without
+TLS, a client sending one over a plaintext channel) unless both ends are on
+loopback or the operator passed ``--allow-plaintext-tokens`` (a mesh or proxy
+that encrypts the hop), which is logged as a warning.
 
 Tokens file: one entry per line, ``#`` comments and blank lines ignored::
 
@@ -28,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import inspect
+import ipaddress
 import logging
 import threading
 from collections import Counter
@@ -39,7 +49,7 @@ import grpc
 
 from specdec.errors import InvalidArgument
 from specdec.logging_util import log
-from specdec.tls import FileWatcher
+from specdec.tls import FileWatcher, peer_names
 
 logger = logging.getLogger("specdec.auth")
 
@@ -147,6 +157,77 @@ class TokenStore:
         return found
 
 
+PLAINTEXT_FLAG = "--allow-plaintext-tokens"
+
+
+def host_of(address: str) -> str:
+    """The host of a gRPC target or bind address (``host:port``, ``[v6]:port``,
+    ``dns:///host:port``, ``ipv4:``/``ipv6:`` schemes; ``unix:`` paths give
+    ``localhost``)."""
+    a = address.strip()
+    if a.startswith(("unix:", "unix-abstract:")):
+        return "localhost"
+    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        if a.startswith(scheme):
+            a = a[len(scheme):]
+            break
+    if "/" in a:  # dns://authority/host:port
+        a = a.rsplit("/", 1)[1]
+    a = a.split(",", 1)[0]
+    if a.startswith("["):
+        return a[1:].split("]", 1)[0]
+    if a.count(":") == 1:
+        return a.rsplit(":", 1)[0]
+    return a  # a bare host, or an IPv6 address without a port
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (a host or a gRPC address) stays on this machine:
+    a loopback IP, ``localhost`` or a unix socket. Names are not resolved, so
+    any other name counts as remote; ``0.0.0.0`` and ``::`` (every interface)
+    are not loopback."""
+    host = host_of(address).lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_token_transport(role: str, address: str, *, encrypted: bool, allow_plaintext: bool) -> str:
+    """Refuses (ValueError) a hop where bearer tokens would travel in
+    plaintext: ``role`` "server" accepting tokens on the bind ``address``, or
+    "client" sending one to ``address``, without TLS and off loopback, unless
+    ``allow_plaintext``. Returns the warning to log ("" when the hop is safe)."""
+    if encrypted or is_loopback(address):
+        return ""
+    if role == "server":
+        what = f"bearer tokens would be accepted in plaintext on {address}"
+        fix = "serve TLS (--tls-cert/--tls-key), bind to loopback"
+    else:
+        what = f"a bearer token would be sent in plaintext to {address}"
+        fix = "use TLS (the server's CA: --tls-ca, tls_ca=), dial a loopback address"
+    if not allow_plaintext:
+        raise ValueError(f"{what}: {fix}, or pass {PLAINTEXT_FLAG} when something else encrypts this hop "
+                         "(a service mesh, a TLS-terminating proxy)")
+    return f"{what} ({PLAINTEXT_FLAG}): anyone on the network path can read and replay them"
+
+
+def bearer_metadata(token: str | None, address: str, *, encrypted: bool, allow_plaintext: bool = False,
+                    log_to: logging.Logger | None = None) -> list[tuple[str, str]] | None:
+    """The ``authorization`` metadata a client sends ``token`` with to
+    ``address`` (None without a token), after :func:`check_token_transport`
+    (ValueError over plaintext off loopback unless ``allow_plaintext``; then
+    a warning is logged)."""
+    if not token:
+        return None
+    warning = check_token_transport("client", address, encrypted=encrypted, allow_plaintext=allow_plaintext)
+    if warning:
+        log(log_to or logger, logging.WARNING, warning)
+    return [("authorization", f"Bearer {token}")]
+
+
 class _Reject(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
@@ -205,13 +286,28 @@ class ServerGuard(grpc.aio.ServerInterceptor):
         self.protect_health = protect_health
         self.max_calls_per_client = max_calls_per_client
         self.active: Counter[str] = Counter()  # identity -> calls in flight (limited methods)
+        self.client_names: frozenset[str] = frozenset()  # accepted client certificate identities; empty = any
 
     def _is_open(self, method: str) -> bool:
         return not self.protect_health and method.lstrip("/").split("/", 1)[0] in OPEN_SERVICES
 
+    def _check_certificate(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        """The client certificate's identity must be allowed (health and
+        reflection stay open, as for tokens)."""
+        if not self.client_names or self._is_open(method):
+            return
+        names = peer_names(context.auth_context() or {})
+        if not names:
+            raise _Reject(grpc.StatusCode.UNAUTHENTICATED, "this service requires a client certificate")
+        if not self.client_names & set(names):
+            raise _Reject(grpc.StatusCode.PERMISSION_DENIED,
+                          f"client certificate {names[0]!r} may not call {method} "
+                          f"(allowed: {', '.join(sorted(self.client_names))})")
+
     def _identity(self, context: grpc.aio.ServicerContext, method: str) -> str | None:
         """Authenticates the call; returns the client identity (None for an
         open method without authentication)."""
+        self._check_certificate(context, method)
         if self.tokens is None or self._is_open(method):
             return None
         values = [v for k, v in context.invocation_metadata() or () if k == "authorization"]

@@ -96,8 +96,13 @@ async def start_server(
     in plaintext on that port: Kubernetes' native gRPC probes cannot speak TLS.
     ``tls`` serves TLS (mutual TLS with a client CA) instead of plaintext;
     ``guard`` (default: parse errors and expired deadlines only) also
-    authenticates and limits calls (see specdec.auth)."""
-    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=[guard or ServerGuard()])
+    authenticates and limits calls (see specdec.auth). Under mutual TLS the
+    guard also checks the client certificate's identity against
+    ``tls.allowed_clients`` (the defaults of specdec.tls.DEFAULT_CLIENT_ALLOW)."""
+    guard = guard or ServerGuard()
+    if tls is not None:
+        guard.client_names = tls.allowed_clients(service_full_names)
+    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=[guard])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

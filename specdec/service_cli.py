@@ -90,6 +90,10 @@ def add_tls_server_flags(p: argparse._ActionsContainer) -> None:
     p.add_argument("--tls-key", type=Path, default=None, help="server private key (PEM)")
     p.add_argument("--tls-client-ca", type=Path, default=None,
                    help="require client certificates signed by this CA (mutual TLS)")
+    p.add_argument("--tls-client-allow", action="append", default=None, metavar="NAME[,NAME...]",
+                   help="with --tls-client-ca: accept only client certificates whose CN or a DNS SAN is one of "
+                        "these names; '*' = any certificate from the CA (default: specdec-orchestrator on "
+                        "target and draft, any on the orchestrator)")
 
 
 def server_tls(a: argparse.Namespace) -> Any:
@@ -97,7 +101,8 @@ def server_tls(a: argparse.Namespace) -> Any:
     from specdec.tls import server_tls as build
 
     try:
-        return build(getattr(a, "tls_cert", None), getattr(a, "tls_key", None), getattr(a, "tls_client_ca", None))
+        return build(getattr(a, "tls_cert", None), getattr(a, "tls_key", None), getattr(a, "tls_client_ca", None),
+                     getattr(a, "tls_client_allow", None))
     except ValueError as e:
         raise cli_error(str(e)) from None
 

@@ -37,18 +37,42 @@ def _read(path: Path | str, what: str) -> bytes:
     return data
 
 
+#: Under mutual TLS, the client identities (certificate CN or DNS SAN) each
+#: gRPC service accepts by default: only the orchestrator may call the model
+#: services. Services not listed accept any certificate from the client CA.
+DEFAULT_CLIENT_ALLOW: dict[str, tuple[str, ...]] = {
+    "specdec.v1.Target": ("specdec-orchestrator",),
+    "specdec.v1.Draft": ("specdec-orchestrator",),
+}
+ANY_CLIENT = "*"
+
+
 @dataclass(frozen=True)
 class TlsServerConfig:
     """Server certificate and key; with ``client_ca``, clients must present a
-    certificate signed by that CA (mutual TLS)."""
+    certificate signed by that CA (mutual TLS), whose common name or a DNS
+    subject alternative name is in ``client_allow`` (None = the service's
+    default, :data:`DEFAULT_CLIENT_ALLOW`; ``("*",)`` = any certificate from
+    the CA)."""
 
     cert: Path
     key: Path
     client_ca: Path | None = None
+    client_allow: tuple[str, ...] | None = None
 
     @property
     def mutual(self) -> bool:
         return self.client_ca is not None
+
+    def allowed_clients(self, services: Sequence[str]) -> frozenset[str]:
+        """The client identities accepted by a server of ``services`` (empty:
+        no check beyond the CA's signature; also without mutual TLS)."""
+        if not self.mutual:
+            return frozenset()
+        names = self.client_allow
+        if names is None:
+            names = tuple(n for s in services for n in DEFAULT_CLIENT_ALLOW.get(s, (ANY_CLIENT,)))
+        return frozenset() if ANY_CLIENT in names or not names else frozenset(names)
 
     def files(self) -> list[Path]:
         return [Path(p).expanduser() for p in (self.cert, self.key, self.client_ca) if p is not None]
@@ -138,15 +162,34 @@ class TlsClientConfig:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
-def server_tls(cert: Path | str | None, key: Path | str | None, client_ca: Path | str | None = None) -> TlsServerConfig | None:
-    """Builds the server settings from the ``--tls-*`` flags (None = plaintext)."""
+def server_tls(cert: Path | str | None, key: Path | str | None, client_ca: Path | str | None = None,
+               client_allow: Sequence[str] | None = None) -> TlsServerConfig | None:
+    """Builds the server settings from the ``--tls-*`` flags (None = plaintext).
+    ``client_allow``: the ``--tls-client-allow`` values (comma-separated
+    lists allowed; None = the service's default)."""
+    if client_allow is not None:
+        client_allow = tuple(n.strip() for v in client_allow for n in v.split(",") if n.strip())
+        if not client_allow:
+            raise ValueError("--tls-client-allow needs a name (or '*')")
+        if client_ca is None:
+            raise ValueError("--tls-client-allow needs --tls-client-ca (mutual TLS)")
     if cert is None and key is None:
         if client_ca is not None:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
         return None
     if cert is None or key is None:
         raise ValueError("TLS needs both --tls-cert and --tls-key")
-    return TlsServerConfig(Path(cert), Path(key), Path(client_ca) if client_ca is not None else None)
+    return TlsServerConfig(Path(cert), Path(key), Path(client_ca) if client_ca is not None else None,
+                           tuple(client_allow) if client_allow is not None else None)
+
+
+def peer_names(auth_context: dict[str, Sequence[bytes]]) -> list[str]:
+    """The verified client certificate's common name and DNS subject
+    alternative names, from a gRPC call's ``auth_context()`` ([] without one)."""
+    names = []
+    for key in ("x509_common_name", "x509_subject_alternative_name"):
+        names += [v.decode(errors="replace") for v in auth_context.get(key, ())]
+    return names
 
 
 def client_tls(

@@ -11,7 +11,8 @@ blocking (:class:`Client`) and asyncio (:class:`AsyncClient`).
 
 TLS: ``tls_ca`` (the server's CA) turns TLS on; ``tls_cert``/``tls_key``
 present a client certificate. ``token`` sends ``authorization: Bearer
-<token>``. Errors are :class:`grpc.RpcError` with the server's status code
+<token>``; over plaintext to anything but loopback it is refused
+(ValueError) unless ``allow_plaintext_tokens=True`` (docs/security.md). Errors are :class:`grpc.RpcError` with the server's status code
 and message (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAUTHENTICATED, ...).
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Sequence, Union
 
+from specdec.auth import bearer_metadata
 from specdec.tls import TlsClientConfig, aio_channel, sync_channel
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -116,8 +118,9 @@ def _tls(tls_ca: str | Path | None, tls_cert: str | Path | None, tls_key: str | 
                            server_name=server_name)
 
 
-def _metadata(token: str | None) -> list[tuple[str, str]] | None:
-    return [("authorization", f"Bearer {token}")] if token else None
+def _metadata(token: str | None, address: str, tls: TlsClientConfig | None,
+              allow_plaintext: bool) -> list[tuple[str, str]] | None:
+    return bearer_metadata(token, address, encrypted=tls is not None, allow_plaintext=allow_plaintext)
 
 
 class Client:
@@ -125,10 +128,12 @@ class Client:
 
     def __init__(self, address: str = "127.0.0.1:50051", *, token: str | None = None,
                  tls_ca: str | Path | None = None, tls_cert: str | Path | None = None,
-                 tls_key: str | Path | None = None, server_name: str = "", timeout: float = 600.0) -> None:
-        self._channel = sync_channel(address, _tls(tls_ca, tls_cert, tls_key, server_name))
+                 tls_key: str | Path | None = None, server_name: str = "", timeout: float = 600.0,
+                 allow_plaintext_tokens: bool = False) -> None:
+        tls = _tls(tls_ca, tls_cert, tls_key, server_name)
+        self._metadata = _metadata(token, address, tls, allow_plaintext_tokens)  # before any channel exists
+        self._channel = sync_channel(address, tls)
         self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
-        self._metadata = _metadata(token)
         self.timeout = timeout
 
     def stream(self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any) -> Iterator[Delta]:
@@ -167,10 +172,12 @@ class AsyncClient:
 
     def __init__(self, address: str = "127.0.0.1:50051", *, token: str | None = None,
                  tls_ca: str | Path | None = None, tls_cert: str | Path | None = None,
-                 tls_key: str | Path | None = None, server_name: str = "", timeout: float = 600.0) -> None:
-        self._channel = aio_channel(address, _tls(tls_ca, tls_cert, tls_key, server_name))
+                 tls_key: str | Path | None = None, server_name: str = "", timeout: float = 600.0,
+                 allow_plaintext_tokens: bool = False) -> None:
+        tls = _tls(tls_ca, tls_cert, tls_key, server_name)
+        self._metadata = _metadata(token, address, tls, allow_plaintext_tokens)  # before any channel exists
+        self._channel = aio_channel(address, tls)
         self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
-        self._metadata = _metadata(token)
         self.timeout = timeout
 
     async def stream(self, prompt: Prompt, *, timeout: float | None = None, **kwargs: Any) -> AsyncIterator[Delta]:

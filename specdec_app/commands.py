@@ -33,6 +33,8 @@ def add_client_commands(sub: Any) -> None:
     gen.add_argument("--tls-cert", type=Path, default=None, help="client certificate (when the server wants one)")
     gen.add_argument("--tls-key", type=Path, default=None, help="key of --tls-cert")
     gen.add_argument("--token-file", type=Path, default=None, help="file holding the bearer token")
+    gen.add_argument("--allow-plaintext-tokens", action="store_true",
+                     help="send the token without --tls-ca to a non-loopback address (refused without it)")
     gen.set_defaults(func=cmd_generate)
 
     hc = sub.add_parser("health", help="check a service's gRPC health (exit 0 when SERVING)")
@@ -82,8 +84,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
     tls = client_tls(a.tls_ca, a.tls_cert, a.tls_key)
     metadata = None
     if a.token_file is not None:
-        token = Path(a.token_file).read_text().strip()
-        metadata = [("authorization", f"Bearer {token}")]
+        from specdec.auth import bearer_metadata
+
+        try:
+            metadata = bearer_metadata(Path(a.token_file).read_text().strip(), a.address, encrypted=tls is not None,
+                                       allow_plaintext=a.allow_plaintext_tokens)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     with sync_channel(a.address, tls) as ch:
         stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
         try:

@@ -78,12 +78,16 @@ def child_commands(a: argparse.Namespace, cache: str) -> tuple[dict[str, list[st
     tls = None
     if a.tls_dir is not None:  # the layout scripts/gen_dev_certs.sh writes
         d = Path(a.tls_dir)
-        server = ["--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key")]
+
+        def identity(name: str) -> list[str]:  # each service serves its own certificate
+            return ["--tls-cert", str(d / f"{name}.crt"), "--tls-key", str(d / f"{name}.key")]
+
         for name in ("target", "draft"):
-            if name in cmds:
-                cmds[name] += server + ["--tls-client-ca", str(d / "ca.crt")]
-        cmds["orchestrator"] += server + ["--upstream-ca", str(d / "ca.crt"), "--upstream-cert",
-                                          str(d / "client.crt"), "--upstream-key", str(d / "client.key")]
+            if name in cmds:  # mutual TLS: only the orchestrator's certificate may call them
+                cmds[name] += identity(name) + ["--tls-client-ca", str(d / "ca.crt")]
+        cmds["orchestrator"] += identity("orchestrator") + [
+            "--upstream-ca", str(d / "ca.crt"), "--upstream-cert", str(d / "orchestrator.crt"),
+            "--upstream-key", str(d / "orchestrator.key")]
         if "gateway" in cmds:
             cmds["gateway"] += ["--orchestrator-ca", str(d / "ca.crt")]
         tls = client_tls(d / "ca.crt", d / "client.crt", d / "client.key")

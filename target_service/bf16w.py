@@ -277,13 +277,18 @@ def _cpu_ok() -> str:
     return f"the CPU lacks {', '.join(missing)}" if missing else ""
 
 
+def kernels() -> list[cbuild.Kernel]:
+    """The library this backend loads (for ``python -m target_service.cbuild build``)."""
+    return [cbuild.Kernel("bf16w", C_SOURCE, tuple(_FLAGS))]
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> tuple[ctypes.CDLL | None, str]:
     """(the compiled kernel, "") or (None, why not)."""
     why = _cpu_ok()
     if why:
         return None, why
-    dll, why = cbuild.load("bf16w", C_SOURCE, _FLAGS)
+    dll, why = cbuild.load(kernels()[0])
     if dll is None:
         return None, why
     fn = dll.specdec_bf16w_linear

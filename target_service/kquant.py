@@ -81,12 +81,21 @@ def _has_avx512bw() -> bool:
     return False
 
 
+def _kernel(which: str) -> cbuild.Kernel:
+    return cbuild.Kernel(f"kquant-{which}", _SOURCE.read_text(), tuple(_COMMON + _ISAS[which]))
+
+
+def kernels() -> list[cbuild.Kernel]:
+    """Every ISA build of the kernel (for ``python -m target_service.cbuild build``)."""
+    return [_kernel(which) for which in _ISAS]
+
+
 @functools.lru_cache(maxsize=2)
 def _library(which: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     which = which or isa()
     if which is None:
         return None, "the CPU has neither AVX-512 BF16 nor AVX2 with FMA"
-    dll, why = cbuild.load(f"kquant-{which}", _SOURCE.read_text(), _COMMON + _ISAS[which])
+    dll, why = cbuild.load(_kernel(which))
     if dll is None:
         return None, why
     dll.kq_linear.restype = ctypes.c_int

@@ -246,8 +246,9 @@ def start_stack(
     in-process draft service hosts all of them; ``target_tokenizer`` is what
     tli / prompt-lookup drafters propose in (default: ``target_dir``).
     ``tls_dir`` (scripts/gen_dev_certs.sh output) turns TLS on everywhere:
-    mutual TLS to draft and target, server TLS on the orchestrator; the
-    stack's test clients present ``client.crt``.
+    mutual TLS to draft and target (each with its own certificate, accepting
+    only the orchestrator's), server TLS on the orchestrator; the stack's
+    test clients present the orchestrator's certificate.
     ``interpose(target_address, draft_address)`` runs on the stack's loop
     before the orchestrator starts and returns the addresses it should use
     instead (fault proxies, tests/faults.py)."""
@@ -255,12 +256,16 @@ def start_stack(
     from orchestrator.server import start as start_orch
     from target_service.server import start as start_target
 
-    server_tls = client_tls = None
+    draft_tls = client_tls = None
     if tls_dir is not None:
-        server_tls = TlsServerConfig(tls_dir / "server.crt", tls_dir / "server.key", tls_dir / "ca.crt")
-        client_tls = TlsClientConfig(tls_dir / "ca.crt", tls_dir / "client.crt", tls_dir / "client.key")
-        target_overrides = {"tls": server_tls, **(target_overrides or {})}
-        orchestrator_overrides = {"tls": TlsServerConfig(server_tls.cert, server_tls.key), "upstream_tls": client_tls,
+        def service_tls(name: str, client_ca: bool = True) -> TlsServerConfig:
+            return TlsServerConfig(tls_dir / f"{name}.crt", tls_dir / f"{name}.key",
+                                   tls_dir / "ca.crt" if client_ca else None)
+
+        draft_tls = service_tls("draft")
+        client_tls = TlsClientConfig(tls_dir / "ca.crt", tls_dir / "orchestrator.crt", tls_dir / "orchestrator.key")
+        target_overrides = {"tls": service_tls("target"), **(target_overrides or {})}
+        orchestrator_overrides = {"tls": service_tls("orchestrator", client_ca=False), "upstream_tls": client_tls,
                                   **(orchestrator_overrides or {})}
     loop = LoopThread()
     tcfg = TargetServiceConfig(model=str(target_dir), port=0, dtype=target_dtype, cache_dir=cache_dir,
@@ -277,7 +282,7 @@ def start_stack(
         dcfg = DraftServiceConfig(
             drafters=drafters or [DrafterSpec(name=draft_name, model=str(draft_dir), precision=draft_precision)],
             default_drafter=default_drafter, target_tokenizer=target_tokenizer or str(target_dir),
-            port=0, cache_dir=cache_dir, tls=server_tls,
+            port=0, cache_dir=cache_dir, tls=draft_tls,
         )
         draft = loop.run(start_draft(dcfg))
         draft_addr = f"127.0.0.1:{draft.port}"

@@ -19,7 +19,9 @@ import yaml
 from specdec_app.cli import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
-OVERLAYS = ["dev-cpu", "prod-gpu"]
+OVERLAYS = ["dev-cpu", "prod-gpu", "dev-insecure"]
+#: the secure forms: the base itself (the documented default) and the overlays built on it
+SECURE = ["../base", "dev-cpu", "prod-gpu"]
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
 
@@ -156,8 +158,9 @@ def test_hpas_scale_on_metrics_the_adapter_derives_from_exported_series() -> Non
         "gateway", "orchestrator", "draft", "target"}
 
 
-def test_only_the_orchestrator_reaches_draft_and_target(overlay: Any) -> None:
-    _, docs = overlay
+@pytest.mark.parametrize("form", SECURE)
+def test_only_the_orchestrator_reaches_draft_and_target(form: str) -> None:
+    docs = render(f"overlays/{form}")
     pols = by_kind(docs, "NetworkPolicy")
     for component, port in (("target", 50053), ("draft", 50052)):
         pol = pols[f"specdec-{component}"]["spec"]
@@ -173,6 +176,21 @@ def test_only_the_orchestrator_reaches_draft_and_target(overlay: Any) -> None:
     assert gw["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
     assert sorted(p["port"] for r in gw["ingress"] for p in r["ports"]) == [8000, 9464]
     assert [r for r in gw["ingress"] if r["ports"][0]["port"] == 9464][0]["from"][0]["namespaceSelector"]
+    # the public APIs are not open to everyone: the orchestrator to the gateway and labelled clients,
+    # the gateway to the ingress namespace and labelled clients (a rule without "from" admits anyone)
+    orch = pols["specdec-orchestrator"]["spec"]
+    for pol, port in ((orch, 50051), (gw, 8000)):
+        (rule,) = [r for r in pol["ingress"] if port in [p["port"] for p in r["ports"]]]
+        assert rule.get("from"), port
+        labels = [(kind, sel["matchLabels"]) for peer in rule["from"] for kind, sel in peer.items()]
+        # exactly the label clients are told to carry, nothing more
+        assert ("podSelector", {"specdec.io/client": "true"}) in labels
+        assert ("namespaceSelector", {"specdec.io/client": "true"}) in labels
+    peers = [r["from"] for r in orch["ingress"] if r["ports"][0]["port"] == 50051][0]
+    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "specdec",
+                                            "app.kubernetes.io/component": "gateway"}}} in peers
+    peers = [r["from"] for r in gw["ingress"] if r["ports"][0]["port"] == 8000][0]
+    assert {"namespaceSelector": {"matchLabels": {"specdec.io/ingress": "true"}}} in peers
 
 
 def test_prod_gpu_target_gets_a_gpu() -> None:
@@ -187,15 +205,17 @@ def test_prod_gpu_target_gets_a_gpu() -> None:
         "limits", {})
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_tls_and_auth_are_on_in_every_overlay(overlay: str) -> None:
-    docs = render(f"overlays/{overlay}")
+@pytest.mark.parametrize("form", SECURE)
+def test_tls_and_auth_are_on_in_the_base_and_its_overlays(form: str) -> None:
+    from specdec.service_cli import server_tls
+
+    docs = render(f"overlays/{form}")
     deps = by_kind(docs, "Deployment")
     for name, dep in deps.items():
         spec = dep["spec"]["template"]["spec"]
         mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
         secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
-        assert secrets[mounts["/etc/specdec/tls"]] == "specdec-tls"
+        assert secrets[mounts["/etc/specdec/tls"]] == f"specdec-tls-{name.removeprefix('specdec-')}"  # its identity
         args = container_args(docs, dep)
         assert flag(args, "--tls-cert") == "/etc/specdec/tls/tls.crt"
         assert flag(args, "--tls-key") == "/etc/specdec/tls/tls.key"
@@ -209,4 +229,26 @@ def test_tls_and_auth_are_on_in_every_overlay(overlay: str) -> None:
             assert flag(args, "--upstream-ca") == "/etc/specdec/tls/ca.crt"
         else:
             assert flag(args, "--tls-client-ca") == "/etc/specdec/tls/ca.crt"  # mutual TLS
+            service = "specdec.v1." + name.removeprefix("specdec-").capitalize()
+            assert server_tls(parse(args)).allowed_clients([service]) == {"specdec-orchestrator"}
+        assert "--allow-plaintext-tokens" not in args
         parse(args)
+
+
+def test_dev_insecure_is_the_explicit_open_form() -> None:
+    """The open form is an overlay of its own, named and annotated as such:
+    no TLS, no tokens, no NetworkPolicies, in its own namespace."""
+    docs = render("overlays/dev-insecure")
+    assert not by_kind(docs, "NetworkPolicy")
+    (ns,) = by_kind(docs, "Namespace").values()
+    assert ns["metadata"]["name"] == "specdec-dev-insecure"
+    deps = by_kind(docs, "Deployment")
+    for name, dep in deps.items():
+        assert dep["metadata"]["annotations"]["specdec.io/security"] == "insecure-dev-only"
+        assert dep["metadata"]["namespace"] == "specdec-dev-insecure"
+        spec = dep["spec"]["template"]["spec"]
+        assert not [v for v in spec.get("volumes", []) if "secret" in v], name
+        a = parse(container_args(docs, dep))
+        assert a.tls_cert is None and getattr(a, "auth_tokens_file", None) is None, name
+    # OpenAI SDKs always send an API key: the gateway passes it on over the plaintext hop, explicitly
+    assert parse(container_args(docs, deps["specdec-gateway"])).allow_plaintext_tokens

@@ -96,21 +96,100 @@ def test_greedy_generation_over_tls_and_mtls_equals_off(stack: Stack) -> None:
     stack.assert_clean()
 
 
+def identity(certs: Path, name: str) -> TlsClientConfig:
+    """Mutual TLS presenting the dev certificate ``name`` (orchestrator, draft, target, gateway, client)."""
+    return TlsClientConfig(certs / "ca.crt", certs / f"{name}.crt", certs / f"{name}.key")
+
+
 def test_model_services_require_a_client_certificate_from_the_ca(stack: Stack, certs: Path, other_certs: Path) -> None:
     for service, port in (("target", stack.target.port), ("draft", stack.draft.port)):
         address = f"127.0.0.1:{port}"
-        good = TlsClientConfig(certs / "ca.crt", certs / "client.crt", certs / "client.key")
+        good = identity(certs, "orchestrator")
         assert info_code(address, good, service) == grpc.StatusCode.OK
         no_cert = TlsClientConfig(certs / "ca.crt")
         assert info_code(address, no_cert, service) == grpc.StatusCode.UNAVAILABLE
-        wrong_ca_cert = TlsClientConfig(certs / "ca.crt", other_certs / "client.crt", other_certs / "client.key")
+        wrong_ca_cert = TlsClientConfig(certs / "ca.crt", other_certs / "orchestrator.crt", other_certs / "orchestrator.key")
         assert info_code(address, wrong_ca_cert, service) == grpc.StatusCode.UNAVAILABLE
         assert info_code(address, None, service) == grpc.StatusCode.UNAVAILABLE  # plaintext
     stack.assert_clean()
 
 
+def test_only_the_orchestrators_certificate_may_call_the_model_services(stack: Stack, certs: Path) -> None:
+    """Per-service identity under mutual TLS: a certificate from the
+    deployment's CA is not enough; target and draft accept only the
+    orchestrator's (CN/SAN specdec-orchestrator), so a compromised draft pod
+    cannot drive the target. Health stays open for probes."""
+    target, draft = f"127.0.0.1:{stack.target.port}", f"127.0.0.1:{stack.draft.port}"
+    for address, service, others in ((target, "target", ("draft", "gateway", "client")),
+                                     (draft, "draft", ("target", "gateway", "client"))):
+        assert info_code(address, identity(certs, "orchestrator"), service) == grpc.StatusCode.OK
+        for name in others:
+            assert info_code(address, identity(certs, name), service) == grpc.StatusCode.PERMISSION_DENIED, name
+        with sync_channel(address, identity(certs, "client")) as ch:
+            h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert h.status == health_pb2.HealthCheckResponse.SERVING
+    # a session call from the draft's identity: refused before the model sees it, nothing leaks
+    with sync_channel(target, identity(certs, "draft")) as ch:
+        from specdec.v1 import target_pb2
+
+        prefill = target_pb2_grpc.TargetStub(ch).Prefill
+        assert code_of(lambda: prefill(target_pb2.PrefillRequest(token_ids=[1, 2, 3]), timeout=10)) == \
+            grpc.StatusCode.PERMISSION_DENIED
+    assert len(generate(stack, bearer(ALICE), prompt="still served", max_new_tokens=3)) == 3
+    stack.assert_clean()
+
+
+def test_client_certificate_allow_list_flags(tmp_path: Path, certs: Path) -> None:
+    """--tls-client-allow on a bare server: only the listed identities; '*'
+    any certificate from the CA; the per-service defaults of specdec.tls."""
+    import asyncio
+
+    from specdec.grpc_util import start_server
+    from specdec.service_cli import server_tls
+    from specdec_app.cli import build_parser
+    from specdec.tls import aio_channel
+
+    def flags(*extra: str) -> TlsServerConfig:
+        a = build_parser().parse_args(["serve", "target", "--tls-cert", str(certs / "target.crt"), "--tls-key",
+                                       str(certs / "target.key"), "--tls-client-ca", str(certs / "ca.crt"), *extra])
+        return server_tls(a)
+
+    assert flags().allowed_clients(["specdec.v1.Target"]) == {"specdec-orchestrator"}
+    assert flags().allowed_clients(["specdec.v1.Orchestrator"]) == frozenset()  # any certificate from the CA
+    assert flags("--tls-client-allow", "*").allowed_clients(["specdec.v1.Target"]) == frozenset()
+    with pytest.raises(SystemExit):  # an allow-list without mutual TLS means nothing: refused
+        server_tls(build_parser().parse_args(["serve", "target", "--tls-cert", "s.crt", "--tls-key", "s.key",
+                                              "--tls-client-allow", "x"]))
+    tls = flags("--tls-client-allow", "specdec-gateway,specdec-client")
+
+    def register(server: grpc.aio.Server) -> None:  # a stand-in method that answers its raw request
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "specdec.v1.Target", {"GetModelInfo": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)})])
+
+    async def main() -> dict[str, grpc.StatusCode]:
+        handle = await start_server(register, ["specdec.v1.Target"], "127.0.0.1", 0, tls=tls)
+        await handle.set_serving(True)
+        out = {}
+        try:
+            for name in ("gateway", "client", "orchestrator", "draft"):
+                async with aio_channel(f"127.0.0.1:{handle.port}", identity(certs, name),
+                                       [("grpc.use_local_subchannel_pool", 1)]) as ch:
+                    try:
+                        assert await ch.unary_unary("/specdec.v1.Target/GetModelInfo")(b"hi", timeout=10) == b"hi"
+                        out[name] = grpc.StatusCode.OK
+                    except grpc.aio.AioRpcError as e:
+                        out[name] = e.code()
+        finally:
+            await handle.stop(0)
+        return out
+
+    assert asyncio.run(main()) == {"gateway": grpc.StatusCode.OK, "client": grpc.StatusCode.OK,
+                                   "orchestrator": grpc.StatusCode.PERMISSION_DENIED,
+                                   "draft": grpc.StatusCode.PERMISSION_DENIED}
+
+
 def test_client_not_trusting_the_server_ca_fails(stack: Stack, certs: Path, other_certs: Path) -> None:
-    distrust = TlsClientConfig(other_certs / "ca.crt", certs / "client.crt", certs / "client.key")
+    distrust = TlsClientConfig(other_certs / "ca.crt", certs / "orchestrator.crt", certs / "orchestrator.key")
     assert info_code(f"127.0.0.1:{stack.target.port}", distrust, "target") == grpc.StatusCode.UNAVAILABLE
     with sync_channel(stack.address, TlsClientConfig(other_certs / "ca.crt")) as ch:
         stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
@@ -204,7 +283,7 @@ def test_cli_generate_and_health_over_tls(stack: Stack, certs: Path, tmp_path: P
     assert main(["generate", "no token", "--address", stack.address, *tls, "--max-new-tokens", "2"]) == 2
     assert "UNAUTHENTICATED" in capsys.readouterr().err
     # the exec-probe command, with and without the client certificate mTLS needs
-    mtls = [*tls, "--tls-cert", str(certs / "client.crt"), "--tls-key", str(certs / "client.key")]
+    mtls = [*tls, "--tls-cert", str(certs / "client.crt"), "--tls-key", str(certs / "client.key")]  # health is open
     assert main(["health", "--address", f"127.0.0.1:{stack.target.port}", *mtls]) == 0
     assert main(["health", "--address", f"127.0.0.1:{stack.target.port}", *tls, "--timeout", "2"]) == 1
     assert main(["health", "--address", stack.address, *tls, "--service", "specdec.v1.Orchestrator"]) == 0
@@ -279,7 +358,7 @@ def test_server_certificates_rotate_without_restart(tmp_path: Path, certs: Path,
 
     async def main() -> None:
         handle = await start_server(lambda s: None, [], "127.0.0.1", 0,
-                                    tls=TlsServerConfig(live / "server.crt", live / "server.key", live / "ca.crt"))
+                                    tls=TlsServerConfig(live / "target.crt", live / "target.key", live / "ca.crt"))
         await handle.set_serving(True)
 
         async def code(tls: TlsClientConfig) -> grpc.StatusCode:
@@ -292,11 +371,11 @@ def test_server_certificates_rotate_without_restart(tmp_path: Path, certs: Path,
 
         try:
             assert (await code(old), await code(new)) == (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE)
-            swap(other_certs, "server.crt", "server.key", "ca.crt")
+            swap(other_certs, "target.crt", "target.key", "ca.crt")
             assert (await code(old), await code(new)) == (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK)
-            swap(certs, "server.key")  # no longer matches server.crt: ignored
+            swap(certs, "target.key")  # no longer matches target.crt: ignored
             assert await code(new) == grpc.StatusCode.OK
-            swap(certs, "server.crt", "ca.crt")  # now a matching set again
+            swap(certs, "target.crt", "ca.crt")  # now a matching set again
             assert (await code(old), await code(new)) == (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE)
         finally:
             await handle.stop(0)
@@ -447,3 +526,23 @@ def test_every_request_is_counted_by_status_code_and_logged(stack: Stack, caplog
     assert "alice" in text and "UNAUTHENTICATED" in text and "INVALID_ARGUMENT" in text and "CANCELLED" in text
     # the guard's refusals are logged under the orchestrator, not specdec.auth
     assert not [r for r in caplog.records if r.name == "specdec.auth" and "rejected" in r.getMessage()]
+
+
+def test_specdec_up_gives_each_service_its_own_certificate(certs: Path) -> None:
+    """`specdec up --tls-dir`: each child serves its own dev certificate, the
+    orchestrator presents its own upstream (the identity target and draft
+    accept), and every child's argv parses with the real CLI."""
+    from specdec.service_cli import server_tls
+    from specdec_app.cli import build_parser
+    from specdec_app.up import SERVE, child_commands
+
+    a = build_parser().parse_args(["up", "--tls-dir", str(certs)])
+    cmds, _ = child_commands(a, "/tmp/cache")
+    parsed = {name: build_parser().parse_args(argv[len(SERVE) - 1:]) for name, argv in cmds.items()}
+    for name in ("target", "draft", "orchestrator"):
+        assert parsed[name].tls_cert == certs / f"{name}.crt" and parsed[name].tls_key == certs / f"{name}.key"
+    assert server_tls(parsed["target"]).allowed_clients(["specdec.v1.Target"]) == {"specdec-orchestrator"}
+    assert parsed["orchestrator"].upstream_cert == certs / "orchestrator.crt"
+    out = subprocess.run(["openssl", "x509", "-in", str(parsed["orchestrator"].upstream_cert), "-noout", "-subject"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "CN = specdec-orchestrator" in out or "CN=specdec-orchestrator" in out
