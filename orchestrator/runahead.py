@@ -65,7 +65,14 @@ class ChainTracker:
     stale: int = 0  # tokens of a superseded version (in flight when the chain restarted)
 
     def sent(self, version: int, committed_len: int) -> None:
-        """Records a commit (or the open, version 0) the orchestrator sent."""
+        """Records a commit (or the open, version 0) the orchestrator sent.
+        A commit that resumes the draft (it holds tokens, or the pause was a
+        confidence stop or the span cap) voids the pause: the chain's end is
+        no longer where the draft stopped, even when the commit kept the
+        chain (the post-verified token at a confidence stop was accepted)."""
+        grew = committed_len > self.lengths.get(self.commits, committed_len)
+        if self.paused_at >= 0 and (grew or self.pause_reason in ("confidence", "limit")):
+            self.paused_at, self.pause_reason = -1, ""
         self.lengths[version] = committed_len
         self.commits = version
         if self.version < 0:

@@ -167,7 +167,7 @@ def test_a_pause_completes_a_short_span_and_a_stale_pause_does_not() -> None:
     assert span.complete and [x.token_id for x in span.tokens] == [10] and span.post is None
     t.sent(1, 4)  # a commit resumes the chain: a pause sent before the draft saw it does not count
     t.on_pause(StreamPause(3, 0, "no_draft", 0))
-    assert t.paused_at == 3  # still the old one; the position check is what completes a span
+    assert t.paused_at == -1  # the commit voided the old pause, and this one predates it
     assert t.span([0, 1, 10, 20], 2, 0.0).complete is False
 
 
@@ -195,3 +195,50 @@ def test_a_new_version_must_start_at_its_commits_length() -> None:
     t.sent(1, 5)
     with pytest.raises(StreamFault, match="not at its committed length 5"):
         t.on_token(tok(4, 1, 10))
+
+
+def test_a_chain_kept_across_a_confidence_pause_gives_the_next_round_a_span() -> None:
+    """Both halves together: the draft pauses at a confidence stop, the round
+    verifies the span and post-verifies the low-confidence token, and the
+    target accepts all of it. The commit keeps the chain (it is exactly the
+    chain) and resumes the draft; the next round must wait for the new
+    tokens, not take the old pause as a complete, empty span (which ran the
+    round target-only)."""
+    c = chain([0], until=1 + 4, min_confidence=0.5)
+    t = ChainTracker()
+    t.sent(0, 1)
+
+    def feed(events: list[StreamedToken | ChainPaused]) -> None:
+        for e in events:
+            if isinstance(e, StreamedToken):
+                t.on_token(StreamToken(e.position, e.version, e.token_id, e.q, e.confidence, e.compute_ms))
+            else:
+                t.on_pause(StreamPause(e.position, e.version, e.reason, e.commit))
+
+    feed(draft(c, [10, 11, 12], conf=[0.9, 0.9, 0.1]))  # 12 is a confidence stop: the draft pauses at 4
+    assert t.paused_at == 4
+    committed = [0]
+    span = t.span(committed, 4, 0.5)
+    assert [x.token_id for x in span.tokens] == [10, 11] and span.post is not None and span.post.token_id == 12
+    assert span.complete
+    committed += [10, 11, 12]  # span accepted, the post token too (next_is_post)
+    c.commit(1, [10, 11, 12], draft_until=4 + 4, min_confidence=0.5)
+    t.sent(1, len(committed))
+    assert c.version == 0 and c.kept == 3 and c.paused == ""  # kept, and drafting again
+    span = t.span(committed, 4, 0.5)
+    assert span.tokens == [] and not span.complete  # waits for the resumed chain
+    feed(draft(c, [13, 14, 15, 16]))
+    span = t.span(committed, 4, 0.5)
+    assert [x.token_id for x in span.tokens] == [13, 14, 15, 16] and span.complete
+
+
+def test_a_pause_that_a_commit_does_not_resume_still_completes_the_span() -> None:
+    """No tokens committed (a credit-only commit) and a no_draft pause: the
+    draft stays paused, so the tracker must not wait for it."""
+    t = ChainTracker()
+    t.sent(0, 2)
+    t.on_token(tok(2, 0, 10))
+    t.on_pause(StreamPause(3, 0, "no_draft", 0))
+    t.sent(1, 2)
+    span = t.span([0, 1], 3, 0.0)
+    assert span.complete and [x.token_id for x in span.tokens] == [10]
