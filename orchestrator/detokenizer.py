@@ -134,6 +134,21 @@ class StopMatcher:
         self.held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
 
+    def push_tokens(self, detok: IncrementalDetokenizer, ids: Sequence[int]) -> tuple[str, int]:
+        """Detokenizes ``ids`` and matches the text. Returns the text safe to
+        send and how many of ``ids`` produced it: all of them, or on a stop
+        match those up to and including the token whose text completed the
+        stop string (the rest are dropped, so token ids and text agree).
+        With stop strings the tokens are decoded one at a time to find it."""
+        if self._ac is None or self.stopped:
+            return self.push(detok.push(ids)), (0 if self.stopped else len(ids))
+        out = []
+        for n, t in enumerate(ids, 1):
+            out.append(self.push(detok.push([t])))
+            if self.stopped:
+                return "".join(out), n
+        return "".join(out), len(ids)
+
     def flush(self) -> str:
         if self.stopped:
             return ""

@@ -370,8 +370,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                         break
                 if step.dead_end and not done:
                     finish, done = pb.FINISH_REASON_GRAMMAR_DEAD_END, True
-                text = stops.push(detok.push(ids))
+                text, kept = stops.push_tokens(detok, ids)
                 if stops.stopped:
+                    # the tokens past the one that completed the stop string are dropped
+                    emitted -= len(ids) - kept
+                    rec.emitted = emitted
+                    del ids[kept:], gaps[kept:]
                     finish, done = pb.FINISH_REASON_STOP, True
                 if done:
                     text += stops.push(detok.flush()) if not stops.stopped else ""
