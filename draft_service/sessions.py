@@ -23,7 +23,7 @@ from draft_service.drafter import Drafter, Proposal
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError
 from specdec.grammar import GrammarSpec, GrammarState, LazyGrammarCompiler
 from specdec.logging_util import log
-from specdec.sampling import SamplingConfig
+from specdec.sampling import SamplingConfig, session_rng
 
 logger = logging.getLogger("specdec.draft.sessions")
 
@@ -100,12 +100,7 @@ class SessionStore:
                 self._reap_locked(now)
             if len(self._sessions) >= self.max_sessions:
                 raise ResourceExhausted(f"draft service is at its session limit ({self.max_sessions})")
-            if cfg.seed is None:
-                rng = np.random.default_rng()
-            elif rng_offset:
-                rng = np.random.default_rng([int(cfg.seed), int(rng_offset)])
-            else:
-                rng = np.random.default_rng(cfg.seed)
+            rng = session_rng(cfg.seed, rng_offset)
             sid = uuid.uuid4().hex
             session = DraftSession(
                 id=sid, drafter=drafter, state=drafter.new_state(), cfg=cfg, rng=rng, created=now, last_used=now,

@@ -32,10 +32,10 @@ from specdec.sampling import (
     VerifyResult,
     greedy_verify,
     logit_gaps,
-    make_generator,
     process_logits,
     rejection_sample,
     sample,
+    session_generator,
     token_logprobs,
 )
 from specdec.tokenization import eos_token_ids
@@ -350,11 +350,10 @@ class TargetEngine:
                 self.evictions += 1
                 log(logger, logging.INFO, "evicted session for max_sessions", session_id=victim)
         self._make_room(reserved + len(token_ids), keep=protect, idle_s=self.protect_active_s)
-        seed = None if cfg.seed is None else cfg.seed + call.rng_offset
         sess = TargetSession(
             session_id=uuid.uuid4().hex,
             cfg=cfg,
-            generator=make_generator(seed),
+            generator=session_generator(cfg.seed, call.rng_offset),
             cache=kv.new_cache(self.model.config),
             top_logprobs=call.top_logprobs,
             grammar=call.grammar,
