@@ -24,6 +24,7 @@ from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, Resour
 from specdec.grammar import GrammarSpec, GrammarState, LazyGrammarCompiler
 from specdec.logging_util import log
 from specdec.sampling import SamplingConfig, session_rng
+from specdec.validation import check_token_ids
 
 logger = logging.getLogger("specdec.draft.sessions")
 
@@ -150,9 +151,7 @@ class SessionStore:
         """Request checks that need no session state (run on the event loop)."""
         if num_tokens < 1 or num_tokens > self.max_span:
             raise InvalidArgument(f"num_tokens must be in [1, {self.max_span}], got {num_tokens}")
-        for t in new_token_ids:
-            if t < 0 or t >= vocab_size:
-                raise InvalidArgument(f"token id {t} outside [0, {vocab_size})")
+        check_token_ids(new_token_ids, vocab_size, "new_token_ids")
 
     def propose(
         self,

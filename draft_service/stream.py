@@ -23,6 +23,7 @@ from typing import Sequence
 from draft_service.drafter import Proposal
 from specdec.errors import InvalidArgument
 from specdec.sampling import SparseQ
+from specdec.validation import check_min_confidence, check_token_ids
 
 
 @dataclass(frozen=True)
@@ -88,16 +89,12 @@ class DraftChain:
         return len(self.committed) + len(self.tokens)
 
     def _check_ids(self, ids: Sequence[int], what: str) -> None:
-        for t in ids:
-            if t < 0 or t >= self.vocab_size:
-                raise InvalidArgument(f"{what} contains token id {t} outside [0, {self.vocab_size})")
+        check_token_ids(ids, self.vocab_size, what)
 
     def set_credit(self, draft_until: int, min_confidence: float) -> None:
-        if not 0.0 <= min_confidence <= 1.0:  # also rejects NaN
-            raise InvalidArgument(f"min_confidence must be in [0, 1], got {min_confidence}")
+        self.min_confidence = check_min_confidence(min_confidence)
         self.requested_until = int(draft_until)
         self.draft_until = min(self.requested_until, len(self.committed) + self.max_span)
-        self.min_confidence = float(min_confidence)
         if self.paused == "limit":
             self.paused = ""
 

@@ -39,6 +39,7 @@ from specdec.sampling import (
     token_logprobs,
 )
 from specdec.tokenization import eos_token_ids
+from specdec.validation import check_token_id, check_token_ids
 from specdec.grammar import GrammarState, LazyGrammarCompiler
 from target_service.calls import Call, ForwardInfo, Outcome, PrefillCall, PrefillOutcome, VerifyCall, VerifyOutcome
 from target_service import kv_adapter as kv
@@ -191,9 +192,7 @@ class TargetEngine:
 
     # ------------------------------------------------------------- validation
     def check_token_ids(self, ids: Sequence[int], what: str) -> None:
-        for t in ids:
-            if t < 0 or t >= self.vocab_size:
-                raise InvalidArgument(f"{what} contains token id {t} outside the vocabulary [0, {self.vocab_size})")
+        check_token_ids(ids, self.vocab_size, what)
 
     def check_draft_q(self, draft_ids: Sequence[int], draft_q: Sequence[SparseQ | None]) -> None:
         if len(draft_q) != len(draft_ids):
@@ -214,8 +213,7 @@ class TargetEngine:
             )
         if ids.shape[0] > self.max_draft_support:
             raise InvalidArgument(f"{name}: support of {ids.shape[0]} exceeds the limit {self.max_draft_support}")
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise InvalidArgument(f"{name}: token id outside the vocabulary [0, {self.vocab_size})")
+        check_token_ids(ids, self.vocab_size, f"{name}.token_ids")
         if np.unique(ids).shape[0] != ids.shape[0]:
             raise InvalidArgument(f"{name}: duplicate token ids")
         if not np.all(np.isfinite(probs)) or probs.min() < 0:
@@ -230,8 +228,7 @@ class TargetEngine:
     def check_post(self, post_id: int, post_q: SparseQ | None, greedy: bool) -> None:
         """The post-verify token: in the vocabulary; on a sampled session its
         q passes the draft q checks (a greedy session ignores q)."""
-        if post_id < 0 or post_id >= self.vocab_size:
-            raise InvalidArgument(f"post_token_id {post_id} is outside the vocabulary [0, {self.vocab_size})")
+        check_token_id(post_id, self.vocab_size, "post_token_id")
         if not greedy and post_q is not None:
             self.check_q(post_id, post_q, "post_prob", "post token")
 

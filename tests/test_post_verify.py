@@ -151,7 +151,7 @@ def test_bad_post_tokens_are_invalid_argument(engine: TargetEngine) -> None:
         ((np.array([2, 3]), np.array([0.5, 0.6], dtype=f32)), "post_prob: probabilities sum to"),
         ((np.array([2, 2]), np.array([0.5, 0.5], dtype=f32)), "post_prob: duplicate token ids"),
         ((np.array([2, 3]), np.array([np.nan, 1.0], dtype=f32)), "post_prob: probabilities must be finite"),
-        ((np.array([2, 99]), np.array([0.5, 0.5], dtype=f32)), "post_prob: token id outside the vocabulary"),
+        ((np.array([2, 99]), np.array([0.5, 0.5], dtype=f32)), r"post_prob.token_ids contains token id 99, outside the vocabulary"),
         ((np.array([2]), np.array([0.5, 0.5], dtype=f32)), "post_prob: token_ids .* and of equal length"),
         ((np.array([], dtype=np.int64), np.array([1.0], dtype=f32)), "post_prob: token_ids .* must be non-empty"),
     ]
