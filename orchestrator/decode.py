@@ -2,7 +2,7 @@
 commit, with fallback to target-only rounds when the draft fails and session
 rebuilds when the target loses one. The span comes from a Propose call per
 round (``unary``) or from the request's draft stream (``stream``,
-``run-ahead``: ``orchestrator/runahead.py`` decides which streamed tokens may
+``run-ahead``: ``specdec/draft_chain.py`` ``ChainTracker`` decides which streamed tokens may
 be verified; docs/architecture.md "Draft streams and run-ahead").
 
 The loop talks to the services through the small ``TargetClient`` and
@@ -26,7 +26,7 @@ from orchestrator.policy import DraftLengthPolicy, RoundObservation
 from orchestrator.protocols import (
     DraftClient, DraftStream, PostToken, ProposeReply, RoundSink, SessionOptions, TargetClient, VerifyReply,
 )
-from orchestrator.runahead import ChainTracker, StreamFault, StreamToken
+from specdec.draft_chain import ChainToken, ChainTracker, StreamFault
 from specdec.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, SpecdecError, Unavailable
 from specdec.logging_util import log
 from specdec.sampling import SamplingConfig, SparseQ, TokenLogprob
@@ -430,7 +430,7 @@ class Decoder:
         try:
             while True:
                 for ev in self.stream.ready():
-                    if isinstance(ev, StreamToken):
+                    if isinstance(ev, ChainToken):
                         self.tracker.on_token(ev)
                     else:
                         self.tracker.on_pause(ev)

@@ -20,7 +20,7 @@ from draft_service.drafter import OnnxDrafter
 from draft_service.onnx_model import OnnxCausalLM
 from draft_service.server import DraftServer, start
 from orchestrator.clients import GrpcDraftClient
-from orchestrator.runahead import StreamToken
+from specdec.draft_chain import ChainToken
 from specdec.sampling import SamplingConfig
 from specdec.tokenization import tokenizer_fingerprint
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -366,7 +366,7 @@ async def _events(stream: Any, until: int | None) -> list[tuple[str, int, int, i
     while True:
         await stream.wait(10.0)
         for ev in stream.ready():
-            if isinstance(ev, StreamToken):
+            if isinstance(ev, ChainToken):
                 out.append(("token", ev.position, ev.version, ev.token_id))
                 assert ev.q[0].tolist() == [ev.token_id] and ev.q[1].tolist() == [1.0]
                 if until is not None and ev.position == until - 1:
