@@ -85,10 +85,6 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def ids(self) -> list[str]:
-        with self._lock:
-            return list(self._sessions)
-
     def create(self, drafter: Drafter, cfg: SamplingConfig, rng_offset: int = 0, streamed: bool = False,
                grammar: GrammarState | None = None) -> DraftSession:
         """A new session (``streamed``: owned by a Session stream). Seeded: stream ``rng_offset`` of the seed (0 = the

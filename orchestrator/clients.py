@@ -250,11 +250,9 @@ class GrpcDraftStream:
         except Exception as e:  # pragma: no cover - defensive
             self._put(Unavailable(f"draft: stream reader failed: {e!r}"))
 
-    async def commit(self, version: int, token_ids: Sequence[int], accepted: int, draft_until: int,
-                     min_confidence: float) -> None:
+    async def commit(self, version: int, token_ids: Sequence[int], draft_until: int, min_confidence: float) -> None:
         req = draft_pb2.DraftSessionRequest(commit=draft_pb2.DraftCommit(
-            token_ids=token_ids, version=version, accepted=accepted, draft_until=draft_until,
-            min_confidence=min_confidence))
+            token_ids=token_ids, version=version, draft_until=draft_until, min_confidence=min_confidence))
         try:
             await self.call.write(req)
         except (grpc.RpcError, asyncio.InvalidStateError) as e:

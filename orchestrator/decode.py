@@ -282,7 +282,7 @@ class Decoder:
         self.committed.append(reply.next_token)
         self.stats.first_token_at = time.perf_counter()
         gamma, min_conf = self._choose()
-        await self._stream_commit(0, gamma, min_conf)
+        await self._stream_commit(gamma, min_conf)
         round_start = time.perf_counter()
         yield Step([reply.next_token], [reply.logit_gap], reply.logprobs)
 
@@ -330,7 +330,7 @@ class Decoder:
                 yield Step(new, verified.logit_gaps, verified.logprobs, dead_end=True)
                 return
             gamma, min_conf = self._choose()
-            await self._stream_commit(verified.num_accepted, gamma, min_conf)
+            await self._stream_commit(gamma, min_conf)
             round_start = time.perf_counter()
             yield Step(new, verified.logit_gaps, verified.logprobs)
 
@@ -398,7 +398,7 @@ class Decoder:
         self.tracker.sent(0, len(self.committed))
         self.stream_known = len(self.committed)
 
-    async def _stream_commit(self, accepted: int, gamma: int, min_conf: float) -> None:
+    async def _stream_commit(self, gamma: int, min_conf: float) -> None:
         """Sends the stream the tokens committed since the last message and
         the credit for the next round (before the step is handed to the
         client, so the draft works while the client is served)."""
@@ -407,8 +407,8 @@ class Decoder:
         self.stream_version += 1
         self.tracker.sent(self.stream_version, len(self.committed))
         try:
-            await self.stream.commit(self.stream_version, self.committed[self.stream_known:], accepted,
-                                     self._draft_until(gamma), min_conf)
+            await self.stream.commit(self.stream_version, self.committed[self.stream_known:], self._draft_until(gamma),
+                                     min_conf)
         except SpecdecError as e:
             self._drop_stream(f"draft stream commit failed: {e.message}", fault=False)
             return

@@ -95,8 +95,7 @@ class DraftStream(Protocol):
 
     session_id: str
 
-    async def commit(self, version: int, token_ids: Sequence[int], accepted: int, draft_until: int,
-                     min_confidence: float) -> None: ...
+    async def commit(self, version: int, token_ids: Sequence[int], draft_until: int, min_confidence: float) -> None: ...
 
     def ready(self) -> list[ChainToken | ChainPause]: ...
 
