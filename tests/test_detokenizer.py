@@ -154,3 +154,23 @@ def test_work_per_push_is_bounded_by_the_new_text() -> None:
     assert not m.stopped
     assert m.push("a" * 255 + "!").endswith("a" * 255 + "!") and m.held == ""
     assert m.push("a" * 255 + "c") == "" and m.stopped
+
+
+def test_push_tokens_counts_the_tokens_up_to_the_one_that_completes_the_stop() -> None:
+    """The token ids returned with a stop string end at the token whose text
+    completed it, also when a character spans several tokens (é is two
+    bytes here, and its first byte alone shows no text)."""
+    tok = ByteTokenizer()
+    prompt = tok.encode("p: ")
+    ids = tok.encode("abé!xyz")
+    m = StopMatcher(["é!"])
+    text, kept = m.push_tokens(IncrementalDetokenizer(tok, prompt), ids)
+    assert (text, kept, m.stopped) == ("ab", 5, True)
+    m = StopMatcher(["\u00e9"])  # completed by é's second byte
+    text, kept = m.push_tokens(IncrementalDetokenizer(tok, prompt), ids)
+    assert (text, kept) == ("ab", 4)
+    m = StopMatcher(["never"])
+    detok = IncrementalDetokenizer(tok, prompt)
+    text, kept = m.push_tokens(detok, ids[:3])  # "ab" and half of é
+    assert (text, kept) == ("ab", 3)
+    assert m.push_tokens(detok, ids[3:]) == ("é!xyz", 5)
