@@ -77,11 +77,6 @@ class KVCache:
         if self.arrays:
             self.arrays = {k: v[:, :, :n, :] for k, v in self.arrays.items()}
 
-    def nbytes(self) -> int:
-        if self.shared:
-            return sum(ov.tensor_size_in_bytes() for ov, _ in self.shared.values())
-        return sum(a.nbytes for a in self.arrays.values())
-
 
 class OnnxCausalLM:
     """Loads ``<model_dir>/model.onnx`` and runs incremental forward passes.

@@ -30,6 +30,7 @@ from specdec.grpc_util import ModelWorker, ServerHandle, WorkTiming, drain, star
 from specdec.logging_util import log
 from specdec.metrics import ModelServiceMetrics, serve_metrics
 from specdec.sampling import SamplingConfig
+from specdec.validation import check_min_confidence
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 logger = logging.getLogger("specdec.draft")
@@ -137,9 +138,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         session = self.sessions.get(request.session_id)  # NOT_FOUND early
         new_ids = list(request.new_token_ids)
         num_tokens = int(request.num_tokens)
-        min_conf = float(request.min_confidence)
-        if not 0.0 <= min_conf <= 1.0:  # also rejects NaN
-            raise InvalidArgument(f"min_confidence must be in [0, 1], got {min_conf}")
+        min_conf = check_min_confidence(request.min_confidence)
         # cheap checks on the loop; the store repeats them where it runs
         self.sessions.validate_propose(new_ids, num_tokens, session.drafter.vocab_size)
         args = (request.session_id, int(request.base_len), new_ids, num_tokens, min_conf)

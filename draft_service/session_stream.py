@@ -28,7 +28,7 @@ import grpc
 
 from draft_service.drafter import Proposal
 from draft_service.sessions import DraftSession, SessionStore, grammar_state
-from draft_service.stream import ChainPaused, DraftChain, Step, StreamedToken
+from specdec.draft_chain import ChainPause, ChainToken, DraftChain, Step
 from specdec.errors import InvalidArgument, SpecdecError, Unavailable
 from specdec.grpc_util import ModelWorker, WorkTiming
 from specdec.logging_util import log
@@ -41,7 +41,7 @@ logger = logging.getLogger("specdec.draft.stream")
 _END = object()  # the caller half-closed: the stream ends OK
 
 
-def _token_proto(ev: StreamedToken) -> draft_pb2.DraftedToken:
+def _token_proto(ev: ChainToken) -> draft_pb2.DraftedToken:
     ids, probs = ev.q
     return draft_pb2.DraftedToken(
         position=ev.position, version=ev.version, token_id=ev.token_id,
@@ -50,20 +50,20 @@ def _token_proto(ev: StreamedToken) -> draft_pb2.DraftedToken:
     )
 
 
-def _pause_proto(ev: ChainPaused) -> draft_pb2.DraftPaused:
+def _pause_proto(ev: ChainPause) -> draft_pb2.DraftPaused:
     return draft_pb2.DraftPaused(position=ev.position, version=ev.version, reason=ev.reason, commit=ev.commit)
 
 
-def event_proto(ev: StreamedToken | ChainPaused) -> draft_pb2.DraftSessionEvent:
-    if isinstance(ev, StreamedToken):
+def event_proto(ev: ChainToken | ChainPause) -> draft_pb2.DraftSessionEvent:
+    if isinstance(ev, ChainToken):
         return draft_pb2.DraftSessionEvent(token=_token_proto(ev))
     return draft_pb2.DraftSessionEvent(paused=_pause_proto(ev))
 
 
-def batch_proto(events: list[StreamedToken | ChainPaused]) -> draft_pb2.DraftSessionEvent:
+def batch_proto(events: list[ChainToken | ChainPause]) -> draft_pb2.DraftSessionEvent:
     """One ``batch`` event: tokens, then at most one pause, which ends it."""
-    batch = draft_pb2.DraftEventBatch(tokens=[_token_proto(e) for e in events if isinstance(e, StreamedToken)])
-    if isinstance(events[-1], ChainPaused):
+    batch = draft_pb2.DraftEventBatch(tokens=[_token_proto(e) for e in events if isinstance(e, ChainToken)])
+    if isinstance(events[-1], ChainPause):
         batch.paused.CopyFrom(_pause_proto(events[-1]))
     return draft_pb2.DraftSessionEvent(batch=batch)
 
@@ -139,9 +139,9 @@ class SessionStream:
                 # everything ready now goes in one message (a pause ends it);
                 # nothing waits to fill a batch
                 run = [item]
-                while not isinstance(run[-1], ChainPaused) and not out.empty():
+                while not isinstance(run[-1], ChainPause) and not out.empty():
                     nxt = out.get_nowait()
-                    if not isinstance(nxt, (StreamedToken, ChainPaused)):
+                    if not isinstance(nxt, (ChainToken, ChainPause)):
                         carry = nxt
                         break
                     run.append(nxt)

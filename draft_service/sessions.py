@@ -23,7 +23,8 @@ from draft_service.drafter import Drafter, Proposal
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError
 from specdec.grammar import GrammarSpec, GrammarState, LazyGrammarCompiler
 from specdec.logging_util import log
-from specdec.sampling import SamplingConfig
+from specdec.sampling import SamplingConfig, session_rng
+from specdec.validation import check_token_ids
 
 logger = logging.getLogger("specdec.draft.sessions")
 
@@ -84,10 +85,6 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def ids(self) -> list[str]:
-        with self._lock:
-            return list(self._sessions)
-
     def create(self, drafter: Drafter, cfg: SamplingConfig, rng_offset: int = 0, streamed: bool = False,
                grammar: GrammarState | None = None) -> DraftSession:
         """A new session (``streamed``: owned by a Session stream). Seeded: stream ``rng_offset`` of the seed (0 = the
@@ -100,12 +97,7 @@ class SessionStore:
                 self._reap_locked(now)
             if len(self._sessions) >= self.max_sessions:
                 raise ResourceExhausted(f"draft service is at its session limit ({self.max_sessions})")
-            if cfg.seed is None:
-                rng = np.random.default_rng()
-            elif rng_offset:
-                rng = np.random.default_rng([int(cfg.seed), int(rng_offset)])
-            else:
-                rng = np.random.default_rng(cfg.seed)
+            rng = session_rng(cfg.seed, rng_offset)
             sid = uuid.uuid4().hex
             session = DraftSession(
                 id=sid, drafter=drafter, state=drafter.new_state(), cfg=cfg, rng=rng, created=now, last_used=now,
@@ -155,9 +147,7 @@ class SessionStore:
         """Request checks that need no session state (run on the event loop)."""
         if num_tokens < 1 or num_tokens > self.max_span:
             raise InvalidArgument(f"num_tokens must be in [1, {self.max_span}], got {num_tokens}")
-        for t in new_token_ids:
-            if t < 0 or t >= vocab_size:
-                raise InvalidArgument(f"token id {t} outside [0, {vocab_size})")
+        check_token_ids(new_token_ids, vocab_size, "new_token_ids")
 
     def propose(
         self,

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 
 from orchestrator.protocols import PostToken, PrefillReply, ProposeReply, SessionOptions, VerifyReply
-from orchestrator.runahead import StreamPause, StreamToken
+from specdec.draft_chain import ChainPause, ChainToken
 from specdec.errors import DeadlineExceeded, FailedPrecondition, SpecdecError, Unavailable, from_rpc_error
 from specdec.grpc_util import channel_options
 from specdec.tls import TlsClientConfig, aio_channel
@@ -191,12 +191,12 @@ def _q(d: common_pb2.SparseDistribution) -> SparseQ:
     return np.asarray(d.token_ids, dtype=np.int64), np.asarray(d.probs, dtype=np.float32)
 
 
-def _stream_token(t: draft_pb2.DraftedToken, received: float) -> StreamToken:
-    return StreamToken(t.position, t.version, t.token_id, _q(t.prob), t.confidence, t.compute_ms, received)
+def _stream_token(t: draft_pb2.DraftedToken, received: float) -> ChainToken:
+    return ChainToken(t.position, t.version, t.token_id, _q(t.prob), t.confidence, t.compute_ms, received)
 
 
-def _stream_pause(e: draft_pb2.DraftPaused) -> StreamPause:
-    return StreamPause(e.position, e.version, e.reason, e.commit)
+def _stream_pause(e: draft_pb2.DraftPaused) -> ChainPause:
+    return ChainPause(e.position, e.version, e.reason, e.commit)
 
 
 class GrpcDraftStream:
@@ -250,20 +250,18 @@ class GrpcDraftStream:
         except Exception as e:  # pragma: no cover - defensive
             self._put(Unavailable(f"draft: stream reader failed: {e!r}"))
 
-    async def commit(self, version: int, token_ids: Sequence[int], accepted: int, draft_until: int,
-                     min_confidence: float) -> None:
+    async def commit(self, version: int, token_ids: Sequence[int], draft_until: int, min_confidence: float) -> None:
         req = draft_pb2.DraftSessionRequest(commit=draft_pb2.DraftCommit(
-            token_ids=token_ids, version=version, accepted=accepted, draft_until=draft_until,
-            min_confidence=min_confidence))
+            token_ids=token_ids, version=version, draft_until=draft_until, min_confidence=min_confidence))
         try:
             await self.call.write(req)
         except (grpc.RpcError, asyncio.InvalidStateError) as e:
             raise Unavailable(f"draft: the stream is closed: {e}") from None
 
-    def ready(self) -> list[StreamToken | StreamPause]:
+    def ready(self) -> list[ChainToken | ChainPause]:
         """Every event received so far (non-blocking). Raises the stream's
         error (a SpecdecError) once it ended, after the events before it."""
-        out: list[StreamToken | StreamPause] = []
+        out: list[ChainToken | ChainPause] = []
         while self._buf:
             item = self._buf[0]
             if isinstance(item, SpecdecError):

@@ -2,7 +2,7 @@
 commit, with fallback to target-only rounds when the draft fails and session
 rebuilds when the target loses one. The span comes from a Propose call per
 round (``unary``) or from the request's draft stream (``stream``,
-``run-ahead``: ``orchestrator/runahead.py`` decides which streamed tokens may
+``run-ahead``: ``specdec/draft_chain.py`` ``ChainTracker`` decides which streamed tokens may
 be verified; docs/architecture.md "Draft streams and run-ahead").
 
 The loop talks to the services through the small ``TargetClient`` and
@@ -26,7 +26,7 @@ from orchestrator.policy import DraftLengthPolicy, RoundObservation
 from orchestrator.protocols import (
     DraftClient, DraftStream, PostToken, ProposeReply, RoundSink, SessionOptions, TargetClient, VerifyReply,
 )
-from orchestrator.runahead import ChainTracker, StreamFault, StreamToken
+from specdec.draft_chain import ChainToken, ChainTracker, StreamFault
 from specdec.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, SpecdecError, Unavailable
 from specdec.logging_util import log
 from specdec.sampling import SamplingConfig, SparseQ, TokenLogprob
@@ -282,7 +282,7 @@ class Decoder:
         self.committed.append(reply.next_token)
         self.stats.first_token_at = time.perf_counter()
         gamma, min_conf = self._choose()
-        await self._stream_commit(0, gamma, min_conf)
+        await self._stream_commit(gamma, min_conf)
         round_start = time.perf_counter()
         yield Step([reply.next_token], [reply.logit_gap], reply.logprobs)
 
@@ -331,7 +331,7 @@ class Decoder:
                 yield Step(new, verified.logit_gaps, verified.logprobs, dead_end=True)
                 return
             gamma, min_conf = self._choose()
-            await self._stream_commit(verified.num_accepted, gamma, min_conf)
+            await self._stream_commit(gamma, min_conf)
             round_start = time.perf_counter()
             yield Step(new, verified.logit_gaps, verified.logprobs)
 
@@ -399,7 +399,7 @@ class Decoder:
         self.tracker.sent(0, len(self.committed))
         self.stream_known = len(self.committed)
 
-    async def _stream_commit(self, accepted: int, gamma: int, min_conf: float) -> None:
+    async def _stream_commit(self, gamma: int, min_conf: float) -> None:
         """Sends the stream the tokens committed since the last message and
         the credit for the next round (before the step is handed to the
         client, so the draft works while the client is served)."""
@@ -408,8 +408,8 @@ class Decoder:
         self.stream_version += 1
         self.tracker.sent(self.stream_version, len(self.committed))
         try:
-            await self.stream.commit(self.stream_version, self.committed[self.stream_known:], accepted,
-                                     self._draft_until(gamma), min_conf)
+            await self.stream.commit(self.stream_version, self.committed[self.stream_known:], self._draft_until(gamma),
+                                     min_conf)
         except SpecdecError as e:
             self._drop_stream(f"draft stream commit failed: {e.message}", fault=False)
             return
@@ -431,7 +431,7 @@ class Decoder:
         try:
             while True:
                 for ev in self.stream.ready():
-                    if isinstance(ev, StreamToken):
+                    if isinstance(ev, ChainToken):
                         self.tracker.on_token(ev)
                     else:
                         self.tracker.on_pause(ev)

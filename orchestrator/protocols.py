@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from orchestrator.policy import RoundObservation
-from orchestrator.runahead import StreamPause, StreamToken
+from specdec.draft_chain import ChainPause, ChainToken
 from specdec.grammar import GrammarSpec
 from specdec.sampling import SamplingConfig, SparseQ, TokenLogprob
 
@@ -95,10 +95,9 @@ class DraftStream(Protocol):
 
     session_id: str
 
-    async def commit(self, version: int, token_ids: Sequence[int], accepted: int, draft_until: int,
-                     min_confidence: float) -> None: ...
+    async def commit(self, version: int, token_ids: Sequence[int], draft_until: int, min_confidence: float) -> None: ...
 
-    def ready(self) -> list[StreamToken | StreamPause]: ...
+    def ready(self) -> list[ChainToken | ChainPause]: ...
 
     async def wait(self, timeout: float) -> None: ...
 

@@ -29,6 +29,7 @@ from specdec.logging_util import log
 from specdec.metrics import OrchestratorMetrics
 from specdec.sampling import MAX_TOP_LOGPROBS, SamplingConfig, TokenLogprob
 from specdec.tokenization import token_table
+from specdec.validation import check_min_confidence, check_token_ids
 from specdec.v1 import common_pb2
 from specdec.v1 import orchestrator_pb2 as pb
 from specdec.v1 import orchestrator_pb2_grpc
@@ -140,11 +141,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise InvalidArgument("set exactly one of prompt, prompt_token_ids and messages")
         if req.prompt_token_ids:
             ids = list(req.prompt_token_ids)
-            bad = [t for t in ids if t < 0 or t >= self.limits.vocab_size]
-            if bad:
-                raise InvalidArgument(
-                    f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {self.limits.vocab_size})"
-                )
+            check_token_ids(ids, self.limits.vocab_size, "prompt_token_ids")
             return ids
         if req.messages:
             msgs = []
@@ -206,8 +203,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             )
         if spec.mode not in MODE_NAMES:
             raise InvalidArgument(f"unknown speculation.mode {spec.mode}")
-        if not (0.0 <= spec.min_confidence < 1.0) or spec.min_confidence != spec.min_confidence:
-            raise InvalidArgument(f"speculation.min_confidence must be in [0, 1), got {spec.min_confidence}")
+        check_min_confidence(spec.min_confidence, "speculation.min_confidence", allow_one=False)
         if spec.draft_mode and spec.draft_mode not in DRAFT_MODES:
             raise InvalidArgument(f"speculation.draft_mode must be one of {', '.join(DRAFT_MODES)} (or empty), "
                                   f"got {spec.draft_mode!r}")
@@ -344,7 +340,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self, decoder: Decoder, req: pb.GenerateRequest, rec: "_Access"
     ) -> AsyncIterator[pb.GenerateResponse]:
         detok = IncrementalDetokenizer(self.tokenizer, decoder.p.prompt_ids)
-        stops = StopMatcher(list(req.stop))
+        # the stop-string automaton is linear in the stops' total length (up to
+        # 16 x 256 characters, ~10 ms): a large one is built off the loop
+        stop_chars = sum(len(s) for s in req.stop)
+        stops = StopMatcher(list(req.stop)) if stop_chars <= 512 else await asyncio.to_thread(StopMatcher, list(req.stop))
         eos = frozenset() if req.ignore_eos else self.limits.eos_token_ids
         max_new = decoder.p.max_new_tokens
         at_max = pb.FINISH_REASON_CONTEXT_LENGTH if decoder.p.context_limited else pb.FINISH_REASON_LENGTH
@@ -370,8 +369,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                         break
                 if step.dead_end and not done:
                     finish, done = pb.FINISH_REASON_GRAMMAR_DEAD_END, True
-                text = stops.push(detok.push(ids))
+                text, kept = stops.push_tokens(detok, ids)
                 if stops.stopped:
+                    # the tokens past the one that completed the stop string are dropped
+                    emitted -= len(ids) - kept
+                    rec.emitted = emitted
+                    del ids[kept:], gaps[kept:]
                     finish, done = pb.FINISH_REASON_STOP, True
                 if done:
                     text += stops.push(detok.flush()) if not stops.stopped else ""

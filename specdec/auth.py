@@ -141,10 +141,6 @@ class TokenStore:
         log(logger, logging.INFO, "tokens reloaded", clients=len(entries))
         return True
 
-    @property
-    def names(self) -> list[str]:
-        return [e.name for e in self._entries]
-
     def lookup(self, token: str) -> TokenEntry | None:
         """The entry of ``token`` (None if unknown), comparing in constant time
         against every entry."""

@@ -303,6 +303,30 @@ def make_generator(seed: int | None) -> torch.Generator:
     return g
 
 
+def rng_stream(seed: int, offset: int) -> np.random.SeedSequence:
+    """Stream ``offset`` of a request's ``seed`` (docs/design.md rule 6): 0 is
+    the seed's own stream, any other offset an independent stream of the
+    same seed. The one derivation both services use: the draft counts its
+    sessions in the offset, the target the committed length at a rebuild."""
+    seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
+    return np.random.SeedSequence(seed if offset == 0 else [seed, int(offset)])
+
+
+def session_generator(seed: int | None, offset: int = 0) -> torch.Generator:
+    """The target's generator for stream ``offset`` of ``seed`` (None:
+    unseeded). Offset 0 seeds torch with the seed itself, so a seeded
+    session's draws are those of ``make_generator(seed)``."""
+    if seed is None or offset == 0:
+        return make_generator(seed)
+    return make_generator(int(rng_stream(seed, offset).generate_state(1, np.uint64)[0]))
+
+
+def session_rng(seed: int | None, offset: int = 0) -> np.random.Generator:
+    """The draft's numpy generator for stream ``offset`` of ``seed`` (None:
+    unseeded)."""
+    return np.random.default_rng(None if seed is None else rng_stream(seed, offset))
+
+
 # ---------------------------------------------------------------------------
 # Draft side (numpy: the draft runs on onnxruntime and returns numpy logits)
 # ---------------------------------------------------------------------------

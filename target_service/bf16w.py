@@ -23,8 +23,9 @@ widened to float32 (``backends.apply_backend``).
 
 The C source below is compiled once per machine with the system C compiler
 (``cc``/``gcc``, ``-O3 -mavx2 -mfma``) into a cache directory and loaded with
-ctypes; ctypes releases the GIL during the call, so the rows of the output
-are split across threads of a small pool. No compiler or no AVX2/FMA: the
+ctypes; ctypes releases the GIL during the call, so the weight's rows (the
+output's columns, N) are split across threads of a small pool, in blocks of
+_ROW_ALIGN; every thread reads all M activation rows. No compiler or no AVX2/FMA: the
 backend is not eligible (``available()`` says why).
 """
 
@@ -306,7 +307,7 @@ def available() -> tuple[bool, str]:
 
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
-_threads = 0  # threads the kernel splits its rows over (0 = torch.get_num_threads())
+_threads = 0  # threads the kernel splits the weight's rows (output columns) over (0 = torch.get_num_threads())
 
 
 def set_threads(threads: int) -> None:

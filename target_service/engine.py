@@ -23,8 +23,6 @@ from typing import Collection, Sequence
 
 import numpy as np
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError
 from specdec.logging_util import log
@@ -34,15 +32,17 @@ from specdec.sampling import (
     VerifyResult,
     greedy_verify,
     logit_gaps,
-    make_generator,
     process_logits,
     rejection_sample,
     sample,
+    session_generator,
     token_logprobs,
 )
 from specdec.tokenization import eos_token_ids
+from specdec.validation import check_token_id, check_token_ids
 from specdec.grammar import GrammarState, LazyGrammarCompiler
 from target_service.calls import Call, ForwardInfo, Outcome, PrefillCall, PrefillOutcome, VerifyCall, VerifyOutcome
+from target_service import kv_adapter as kv
 from target_service.constrained import mask_rows
 from target_service.loading import load_model, output_vocab_size, parse_dtype, pick_device, set_threads
 
@@ -54,7 +54,7 @@ class TargetSession:
     session_id: str
     cfg: SamplingConfig
     generator: torch.Generator
-    cache: DynamicCache
+    cache: kv.DynamicCache
     cache_len: int = 0
     last_used: float = field(default_factory=time.monotonic)
     top_logprobs: int = -1  # logprobs of every emitted token with this many top tokens; -1 = none
@@ -192,9 +192,7 @@ class TargetEngine:
 
     # ------------------------------------------------------------- validation
     def check_token_ids(self, ids: Sequence[int], what: str) -> None:
-        for t in ids:
-            if t < 0 or t >= self.vocab_size:
-                raise InvalidArgument(f"{what} contains token id {t} outside the vocabulary [0, {self.vocab_size})")
+        check_token_ids(ids, self.vocab_size, what)
 
     def check_draft_q(self, draft_ids: Sequence[int], draft_q: Sequence[SparseQ | None]) -> None:
         if len(draft_q) != len(draft_ids):
@@ -215,8 +213,7 @@ class TargetEngine:
             )
         if ids.shape[0] > self.max_draft_support:
             raise InvalidArgument(f"{name}: support of {ids.shape[0]} exceeds the limit {self.max_draft_support}")
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise InvalidArgument(f"{name}: token id outside the vocabulary [0, {self.vocab_size})")
+        check_token_ids(ids, self.vocab_size, f"{name}.token_ids")
         if np.unique(ids).shape[0] != ids.shape[0]:
             raise InvalidArgument(f"{name}: duplicate token ids")
         if not np.all(np.isfinite(probs)) or probs.min() < 0:
@@ -231,14 +228,13 @@ class TargetEngine:
     def check_post(self, post_id: int, post_q: SparseQ | None, greedy: bool) -> None:
         """The post-verify token: in the vocabulary; on a sampled session its
         q passes the draft q checks (a greedy session ignores q)."""
-        if post_id < 0 or post_id >= self.vocab_size:
-            raise InvalidArgument(f"post_token_id {post_id} is outside the vocabulary [0, {self.vocab_size})")
+        check_token_id(post_id, self.vocab_size, "post_token_id")
         if not greedy and post_q is not None:
             self.check_q(post_id, post_q, "post_prob", "post token")
 
     # ---------------------------------------------------------------- compute
     @torch.inference_mode()
-    def _forward(self, cache: DynamicCache, ids: Sequence[int], keep: int) -> torch.Tensor:
+    def _forward(self, cache: kv.DynamicCache, ids: Sequence[int], keep: int) -> torch.Tensor:
         """Appends ``ids`` to ``cache``; returns the logits of the last ``keep``
         positions, [keep, V] float32 (the LM head runs on those rows only)."""
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
@@ -250,7 +246,7 @@ class TargetEngine:
         """Rows can share one forward when every cache layer is a plain
         (full-attention, growing) DynamicLayer: sliding-window or quantized
         layers keep their own layout and run one row per forward."""
-        return all(type(layer) is DynamicLayer for r in rows for layer in r.sess.cache.layers)
+        return all(kv.batchable(r.sess.cache) for r in rows)
 
     @torch.inference_mode()
     def _forward_batch(self, rows: Sequence[_Row]) -> list[torch.Tensor]:
@@ -278,21 +274,19 @@ class TargetEngine:
             input_ids[i, :n] = torch.tensor(r.ids, dtype=torch.long)
             positions[i] = torch.arange(r.past, r.past + n_max)
             mask[i, p - r.past : p + n] = 1
-        cache = DynamicCache(config=self.model.config)
+        cache = kv.new_cache(self.model.config)
         if p > 0:
             ref = next(r for r in rows if r.past > 0).sess.cache
-            for li, layer in enumerate(cache.layers):
-                src = ref.layers[li]
-                kshape = (b, src.keys.shape[1], p, src.keys.shape[3])
-                vshape = (b, src.values.shape[1], p, src.values.shape[3])
-                keys = src.keys.new_zeros(kshape)
-                values = src.values.new_zeros(vshape)
+            for li in range(kv.num_layers(cache)):
+                src_k, src_v = kv.layer_kv(ref, li)
+                keys = src_k.new_zeros((b, src_k.shape[1], p, src_k.shape[3]))
+                values = src_v.new_zeros((b, src_v.shape[1], p, src_v.shape[3]))
                 for i, r in enumerate(rows):
                     if r.past:
-                        keys[i, :, p - r.past :] = r.sess.cache.layers[li].keys[0]
-                        values[i, :, p - r.past :] = r.sess.cache.layers[li].values[0]
-                layer.lazy_initialization(keys, values)
-                layer.keys, layer.values = keys, values
+                        rk, rv = kv.layer_kv(r.sess.cache, li)
+                        keys[i, :, p - r.past :] = rk[0]
+                        values[i, :, p - r.past :] = rv[0]
+                kv.set_layer_kv(cache, li, keys, values)
         first = min(len(r.ids) - r.keep for r in rows)  # earliest position whose logits are needed
         out = self.model(
             input_ids=input_ids.to(dev),
@@ -307,23 +301,18 @@ class TargetEngine:
             n = len(r.ids)
             lo = n - r.keep - first
             logits.append(out.logits[i, lo : lo + r.keep].float())
-            for li, layer in enumerate(cache.layers):
-                dst = r.sess.cache.layers[li]
-                if not dst.is_initialized:
-                    dst.lazy_initialization(layer.keys, layer.values)
+            for li in range(kv.num_layers(cache)):
+                keys, values = kv.layer_kv(cache, li)
                 # views into the batched cache until _compact copies them out
-                dst.keys = layer.keys[i : i + 1, :, p - r.past : p + n]
-                dst.values = layer.values[i : i + 1, :, p - r.past : p + n]
+                kv.set_layer_kv(r.sess.cache, li, keys[i : i + 1, :, p - r.past : p + n],
+                                values[i : i + 1, :, p - r.past : p + n])
         return logits
 
     @staticmethod
     def _compact(sess: TargetSession) -> None:
         """Copies a session's KV out of a batched cache (views would keep the
         whole padded batch alive)."""
-        for layer in sess.cache.layers:
-            if layer.is_initialized and layer.keys is not None:
-                layer.keys = layer.keys.clone(memory_format=torch.contiguous_format)
-                layer.values = layer.values.clone(memory_format=torch.contiguous_format)
+        kv.compact(sess.cache)
 
     def _pick(self, logits: torch.Tensor, sess: TargetSession) -> int:
         """One plain decoding step from logits [V]."""
@@ -358,12 +347,11 @@ class TargetEngine:
                 self.evictions += 1
                 log(logger, logging.INFO, "evicted session for max_sessions", session_id=victim)
         self._make_room(reserved + len(token_ids), keep=protect, idle_s=self.protect_active_s)
-        seed = None if cfg.seed is None else cfg.seed + call.rng_offset
         sess = TargetSession(
             session_id=uuid.uuid4().hex,
             cfg=cfg,
-            generator=make_generator(seed),
-            cache=DynamicCache(config=self.model.config),
+            generator=session_generator(cfg.seed, call.rng_offset),
+            cache=kv.new_cache(self.model.config),
             top_logprobs=call.top_logprobs,
             grammar=call.grammar,
         )
@@ -445,7 +433,7 @@ class TargetEngine:
         keep = sess.cache_len + len(call.new_ids) + res.num_accepted
         written = sess.cache_len + len(call.new_ids) + gamma
         if written > keep:
-            sess.cache.crop(keep - written)  # negative: tokens to remove
+            kv.drop_last(sess.cache, written - keep)
         tokens = list(draft_ids[: res.num_accepted]) + ([] if dead_end else [res.next_token])
         if sess.grammar is not None:
             taken = sess.grammar.follow_allowed(tokens, sess.cache_len + len(call.new_ids))
@@ -453,7 +441,7 @@ class TargetEngine:
                 tokens, dead_end = tokens[:taken], True
                 cut = min(keep, sess.cache_len + len(call.new_ids) + taken)
                 if cut < keep:
-                    sess.cache.crop(cut - keep)
+                    kv.drop_last(sess.cache, keep - cut)
                     keep = cut
                     res = VerifyResult(taken, res.next_token, False)  # only the tokens the grammar took count
         sess.cache_len = keep

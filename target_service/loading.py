@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 
 from specdec.logging_util import log
+from target_service import kv_adapter as kv
 from target_service.backends import apply_backend, load_dtype, set_compute_threads
 
 logger = logging.getLogger("specdec.target")
@@ -97,7 +98,7 @@ def measure_forward_curve(
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (1, kv_tokens), generator=gen).to(device)
     kwarg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-    cache = DynamicCache(config=model.config)
+    cache = kv.new_cache(model.config)
     model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{kwarg: cache})
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -107,8 +108,6 @@ def measure_forward_curve(
         sync()
 
     def reset() -> None:
-        written = cache.get_seq_length()
-        if written > kv_tokens:
-            cache.crop(kv_tokens - written)
+        kv.drop_last(cache, kv.length(cache) - kv_tokens)
 
     return measure_curve(forward, reset, ks, budget_s=budget_s)

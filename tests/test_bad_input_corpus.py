@@ -19,6 +19,7 @@ would answer UNKNOWN); messages over the size limit get RESOURCE_EXHAUSTED.
 from __future__ import annotations
 
 import math
+import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -355,6 +356,26 @@ DRAFT: dict[str, tuple[S, Run]] = {
     "release twice (idempotent)": (S.OK, _double_release_draft),
 }
 
+#: the message (a regex) for the checks of specdec/validation.py: the same
+#: mistake is worded the same in every service
+OUTSIDE = r" contains token id {}, outside the vocabulary \[0, 34\)$"
+MESSAGES = {
+    "orchestrator: token id out of range": "^prompt_token_ids" + OUTSIDE.format(10_000),
+    "orchestrator: token id == vocab": "^prompt_token_ids" + OUTSIDE.format(VOCAB),
+    "orchestrator: negative token id": "^prompt_token_ids" + OUTSIDE.format(-1),
+    "orchestrator: nan min_confidence": r"^speculation.min_confidence must be in \[0, 1\), got nan$",
+    "orchestrator: min_confidence 1": r"^speculation.min_confidence must be in \[0, 1\), got 1.0$",
+    "target: prefill id >= vocab": "^token_ids" + OUTSIDE.format(VOCAB),
+    "target: prefill negative id": "^token_ids" + OUTSIDE.format(-7),
+    "target: verify draft id >= vocab": "^draft_token_ids" + OUTSIDE.format(5000),
+    "target: verify negative new id": "^new_token_ids" + OUTSIDE.format(-1),
+    "target: verify q id out of vocab": r"^draft_probs\[0\].token_ids" + OUTSIDE.format(VOCAB),
+    "draft: propose id >= vocab": "^new_token_ids" + OUTSIDE.format(VOCAB),
+    "draft: propose negative id": "^new_token_ids" + OUTSIDE.format(-5),
+    "draft: propose nan min_confidence": r"^min_confidence must be in \[0, 1\], got nan$",
+    "draft: propose min_confidence 2": r"^min_confidence must be in \[0, 1\], got 2.0$",
+}
+
 CASES = {f"orchestrator: {k}": v for k, v in ORCH.items()}
 CASES |= {f"target: {k}": v for k, v in TARGET.items()}
 CASES |= {f"draft: {k}": v for k, v in DRAFT.items()}
@@ -373,6 +394,8 @@ def test_bad_input(stack: Stack, name: str) -> None:
         assert code == expected, f"{name}: got {code.name} ({details}), want {expected.name}"
         if code not in (S.OK, S.CANCELLED, S.DEADLINE_EXCEEDED):
             assert details, "a rejection carries a message"
+        if name in MESSAGES:
+            assert re.search(MESSAGES[name], details), f"{name}: {details!r}"
         # the failed call itself created nothing (sessions the case made on purpose
         # aside); the orchestrator releases asynchronously, checked by assert_clean
         if not name.startswith("orchestrator"):

@@ -20,7 +20,7 @@ from draft_service.drafter import OnnxDrafter
 from draft_service.onnx_model import OnnxCausalLM
 from draft_service.server import DraftServer, start
 from orchestrator.clients import GrpcDraftClient
-from orchestrator.runahead import StreamToken
+from specdec.draft_chain import ChainToken
 from specdec.sampling import SamplingConfig
 from specdec.tokenization import tokenizer_fingerprint
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -366,7 +366,7 @@ async def _events(stream: Any, until: int | None) -> list[tuple[str, int, int, i
     while True:
         await stream.wait(10.0)
         for ev in stream.ready():
-            if isinstance(ev, StreamToken):
+            if isinstance(ev, ChainToken):
                 out.append(("token", ev.position, ev.version, ev.token_id))
                 assert ev.q[0].tolist() == [ev.token_id] and ev.q[1].tolist() == [1.0]
                 if until is not None and ev.position == until - 1:
@@ -396,12 +396,12 @@ def test_session_stream_batches_carry_the_same_events_as_single_messages(
             # two tokens confirmed, the third corrected to one never seen: a new
             # chain under version 1 (prompt lookup finds no match: a pause)
             drafted = [t for kind, _, _, t in got if kind == "token"]
-            await stream.commit(1, drafted[:2] + [33], 2, len(prompt) + 3 + 3, 0.0)
+            await stream.commit(1, drafted[:2] + [33], len(prompt) + 3 + 3, 0.0)
             more = await _events(stream, len(prompt) + 3 + 3)
             # one more committed token, and a confidence stop a model drafter
             # always hits past the committed end (prompt lookup's hits have 1.0)
             chain = [t for kind, _, _, t in more if kind == "token"]
-            await stream.commit(2, chain[:1] or [5], 0, len(prompt) + 4 + 3, 1.0)
+            await stream.commit(2, chain[:1] or [5], len(prompt) + 4 + 3, 1.0)
             return got + more + await _events(stream, len(prompt) + 4 + 3 if drafter == "lookup" else None)
         finally:
             await stream.close()

@@ -94,13 +94,16 @@ def test_session_limit_and_idle_reaping() -> None:
         store.create(d, SamplingConfig())
     clock.t = 12  # a idle for 12 s > ttl; b for 7 s
     c = store.create(d, SamplingConfig())  # a full store reaps before refusing
-    assert set(store.ids()) == {b.id, c.id} and store.reaped_total == 1
+    assert len(store) == 2 and store.reaped_total == 1
     with pytest.raises(NotFound):
-        store.get(a.id)
+        store.get(a.id)  # a was the one reaped
     clock.t = 16
     store.propose(b.id, 0, [1], 1)  # use keeps b alive
     clock.t = 24
-    assert store.reap() == 1 and store.ids() == [b.id]
+    assert store.reap() == 1 and len(store) == 1
+    with pytest.raises(NotFound):
+        store.get(c.id)
+    assert store.get(b.id).id == b.id
 
 
 def test_seeded_sessions_share_a_stream_unseeded_do_not() -> None:

@@ -450,6 +450,33 @@ def test_stop_strings_and_eos(stack: Stack) -> None:
         assert r["token_ids"][-1] == 0
 
 
+@pytest.mark.parametrize("mode,padding", [("off", 0), ("fixed", 0), ("fixed", 4)], ids=["off", "fixed", "long-stops"])
+def test_a_stop_string_ends_token_ids_and_counts_at_the_token_that_completes_it(
+    stack: Stack, tiny_models, mode: str, padding: int  # type: ignore[no-untyped-def]
+) -> None:
+    """With a stop string, token_ids (and stats.generated_tokens) end at the
+    token whose text completed the stop string: the tokens a speculative
+    round produced past it are not returned, so the ids decode to the text
+    plus the stop string, as in vLLM. The text ends before the stop.
+    ``long-stops`` adds four 256-character stops (the matcher is then built
+    off the event loop)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_models.target))
+    full = stack.generate(prompt="stop test", mode="off", max_new_tokens=40)
+    text = full["text"]
+    stop = text[9:12]
+    cut = text.index(stop)
+    n = next(k for k in range(1, 41) if stop in tok.decode(full["token_ids"][:k], skip_special_tokens=True))
+    stops = [stop, "never-seen"] + ["\u2603" * 256] * padding
+    r = stack.generate(prompt="stop test", mode=mode, gamma=8, max_new_tokens=40, stop=stops)
+    assert r["finish_reason"] == pb.FINISH_REASON_STOP
+    assert r["text"] == text[:cut]
+    assert r["token_ids"] == full["token_ids"][:n]
+    assert r["stats"].generated_tokens == n
+    assert tok.decode(r["token_ids"], skip_special_tokens=True) == text[: cut + len(stop)]
+
+
 def test_chat_messages_use_the_chat_template(stack: Stack) -> None:
     r = stack.generate(messages=[("user", "hi there")], mode="off", max_new_tokens=8)
     assert len(r["token_ids"]) == 8

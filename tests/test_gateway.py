@@ -104,6 +104,30 @@ def test_completions(stack: Stack, gateway: Any, stream: bool) -> None:
     stack.assert_clean()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_counts_the_tokens_up_to_it(stack: Stack, gateway: Any, stream: bool) -> None:
+    """usage.completion_tokens counts the tokens up to the one that completed
+    the stop string, not those a speculative round produced past it."""
+    full = _grpc(stack, prompt="the quick", max_new_tokens=40)
+    stop = full["text"][9:12]
+    ref = _grpc(stack, prompt="the quick", max_new_tokens=40, stop=[stop])
+    tok = stack.orchestrator.servicer.tokenizer
+    n = next(k for k in range(1, 41) if stop in tok.decode(full["token_ids"][:k], skip_special_tokens=True))
+    assert len(ref["token_ids"]) == n and ref["stats"].generated_tokens == n
+    r = client(gateway).completions.create(model="tiny", prompt="the quick", max_tokens=40, temperature=0, stop=stop,
+                                           stream=stream, stream_options={"include_usage": True} if stream else None,
+                                           extra_body={"speculation": {"mode": "fixed", "num_draft_tokens": 8}, "ignore_eos": True})
+    if stream:
+        chunks = list(r)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ref["text"]
+        usage = chunks[-1].usage
+    else:
+        assert r.choices[0].text == ref["text"] and r.choices[0].finish_reason == "stop"
+        usage = r.usage
+    assert usage.completion_tokens == n
+    stack.assert_clean()
+
+
 def test_chat_logprobs_are_the_targets(stack: Stack, gateway: Any) -> None:
     """The logprobs and top-3 are what the gRPC API returns for the same request."""
     ref = _grpc(stack, messages=MESSAGES, max_new_tokens=12, top_logprobs=3)

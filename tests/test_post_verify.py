@@ -151,7 +151,7 @@ def test_bad_post_tokens_are_invalid_argument(engine: TargetEngine) -> None:
         ((np.array([2, 3]), np.array([0.5, 0.6], dtype=f32)), "post_prob: probabilities sum to"),
         ((np.array([2, 2]), np.array([0.5, 0.5], dtype=f32)), "post_prob: duplicate token ids"),
         ((np.array([2, 3]), np.array([np.nan, 1.0], dtype=f32)), "post_prob: probabilities must be finite"),
-        ((np.array([2, 99]), np.array([0.5, 0.5], dtype=f32)), "post_prob: token id outside the vocabulary"),
+        ((np.array([2, 99]), np.array([0.5, 0.5], dtype=f32)), r"post_prob.token_ids contains token id 99, outside the vocabulary"),
         ((np.array([2]), np.array([0.5, 0.5], dtype=f32)), "post_prob: token_ids .* and of equal length"),
         ((np.array([], dtype=np.int64), np.array([1.0], dtype=f32)), "post_prob: token_ids .* must be non-empty"),
     ]
@@ -241,3 +241,46 @@ def test_grpc_verify_post_token_fields(target_stub: target_pb2_grpc.TargetStub) 
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert re.search(match, e.value.details()), e.value.details()
     stub.Release(common_pb2.ReleaseRequest(session_id=pre.session_id), timeout=60)
+
+
+def _decode_on(stub: target_pb2_grpc.TargetStub, sid: str, cache_len: int, last: int, n: int) -> list[int]:
+    """``n`` plain decoding steps (Verify without a drafted span) on a session."""
+    out = []
+    for _ in range(n):
+        r = stub.Verify(target_pb2.VerifyRequest(session_id=sid, cache_len=cache_len, new_token_ids=[last]), timeout=60)
+        last, cache_len = r.next_token_id, r.cache_len
+        out.append(last)
+    return out
+
+
+def test_a_rebuilt_sampled_session_draws_the_stream_of_its_rng_offset(target_stub: target_pb2_grpc.TargetStub) -> None:
+    """PrefillRequest.rng_offset over gRPC (docs/design.md rule 6): a sampled
+    session rebuilt at committed length n continues reproducibly (the same
+    tokens every time it is rebuilt at n), and on a stream of its own: not
+    the seed's own stream, which the original session already drew from,
+    not the stream of another offset, nor another seed's own stream (seed +
+    offset collided: seed 11 rebuilt at n replayed seed 11 + n). A target
+    that ignored rng_offset would replay the original session's draws."""
+    stub = target_stub
+    sampling = common_pb2.SamplingParams(temperature=2.0, seed=11)
+    pre = stub.Prefill(target_pb2.PrefillRequest(token_ids=PROMPT, sampling=sampling, sample_next_token=True),
+                       timeout=60)
+    original = [pre.next_token_id] + _decode_on(stub, pre.session_id, pre.cache_len, pre.next_token_id, 23)
+    stub.Release(common_pb2.ReleaseRequest(session_id=pre.session_id), timeout=60)
+    committed = PROMPT + original[:4]  # the session was lost after 4 generated tokens
+
+    def rebuilt(offset: int, seed: int = 11) -> list[int]:
+        r = stub.Prefill(target_pb2.PrefillRequest(token_ids=committed[:-1],
+                                                   sampling=common_pb2.SamplingParams(temperature=2.0, seed=seed),
+                                                   sample_next_token=False, rng_offset=offset), timeout=60)
+        out = _decode_on(stub, r.session_id, r.cache_len, committed[-1], 20)
+        stub.Release(common_pb2.ReleaseRequest(session_id=r.session_id), timeout=60)
+        return out
+
+    n = len(committed)
+    at_n = rebuilt(n)
+    assert rebuilt(n) == at_n  # reproducible
+    assert at_n != rebuilt(0)  # not the seed's own stream
+    assert at_n != rebuilt(n + 1)
+    assert at_n != rebuilt(0, seed=11 + n)
+    assert len(set(at_n)) > 3  # a sample, not a near-deterministic model

@@ -515,3 +515,20 @@ def test_greedy_verify_post_token_cases() -> None:
     assert greedy_verify([1, 5], [1, 2, 9], post_id=9) == VerifyResult(1, 2, False, False)  # span rejected: ignored
     assert greedy_verify([], [7], post_id=7) == VerifyResult(0, 7, False, True)
     assert greedy_verify([1, 2], [1, 2, 9]) == VerifyResult(2, 9, True, False)
+
+
+def test_session_streams_derive_from_one_helper() -> None:
+    """specdec.sampling.rng_stream: offset 0 is the seed's own stream for
+    both services (the draft's numpy generator, the target's torch one),
+    other offsets are independent streams, and stream n of seed s is not
+    stream 0 of seed s + n."""
+    from specdec.sampling import session_generator, session_rng
+
+    assert np.array_equal(session_rng(7, 0).random(8), np.random.default_rng(7).random(8))
+    assert np.array_equal(session_rng(7, 3).random(8), np.random.default_rng([7, 3]).random(8))
+    draws = lambda g: torch.rand(8, generator=g)  # noqa: E731
+    assert torch.equal(draws(session_generator(7, 0)), draws(make_generator(7)))
+    assert torch.equal(draws(session_generator(7, 3)), draws(session_generator(7, 3)))
+    assert not torch.equal(draws(session_generator(7, 3)), draws(session_generator(7, 0)))
+    assert not torch.equal(draws(session_generator(7, 3)), draws(make_generator(10)))
+    assert not np.array_equal(session_rng(7, 3).random(8), session_rng(10, 0).random(8))
