@@ -103,7 +103,7 @@ class TargetEngine:
         self.device = pick_device(device)
         self.dtype = parse_dtype(dtype)
         self.backend = backend
-        set_threads(self.device, threads)
+        set_threads(self.device, threads, backend)
         if model is None:
             model = load_model(hf_dir, self.dtype, backend, self.device, model_name, gguf_path)
         self.model = model
