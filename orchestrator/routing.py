@@ -18,8 +18,9 @@ with fakes.
   ``grpc.health.v1`` Check: new sessions go to SERVING replicas first (so a
   pod still loading its model, or draining, gets none). A call that fails
   with UNAVAILABLE (or a dead connection) puts the replica in backoff
-  (``backoff_s``, doubling to ``max_backoff_s``); a call that succeeds ends
-  it. Replicas not available are still tried last, so one lagging health
+  (``backoff_s``, doubling to ``max_backoff_s`` per failure after the
+  previous backoff ended: concurrent failures of one outage count once); a
+  call that succeeds ends it. Replicas not available are still tried last, so one lagging health
   check never fails a request.
 - **Targets** (KV cache per session) are chosen per request key by
   rendezvous hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam
@@ -331,12 +332,21 @@ class ReplicaPool(Generic[C]):
 
     # ---------------------------------------------------------------- calls
     def mark_failed(self, r: Replica[C], error: str) -> None:
-        r.failures += 1
-        backoff = min(self.cfg.max_backoff_s, self.cfg.backoff_s * 2 ** (r.failures - 1))
-        r.down_until = self.clock() + backoff
+        """Backs ``r`` off for ``backoff_s``, doubled per failure up to
+        ``max_backoff_s``. Calls that fail while it is already backed off
+        (other streams meeting the same outage) count, and restart the
+        window, but do not double it: one outage seen by 32 streams is one
+        failure, not 2^32 (which also overflowed the float)."""
+        now = self.clock()
+        escalate = now >= r.down_until
+        if escalate:
+            r.failures += 1
+        backoff = min(self.cfg.max_backoff_s, self.cfg.backoff_s * 2.0 ** min(max(r.failures - 1, 0), 30))
+        r.down_until = now + backoff
         self.events.replica_failed(self.service, r.address, error)
-        log(logger, logging.WARNING, "replica failed; backing off", service=self.service, address=r.address,
-            backoff_s=backoff, error=error)
+        if escalate:  # once per window, not once per failed call
+            log(logger, logging.WARNING, "replica failed; backing off", service=self.service, address=r.address,
+                backoff_s=backoff, error=error)
 
     async def call(self, r: Replica[C], fn: Callable[[C], Awaitable[T]], back_off: bool = True) -> T:
         """Runs one call on ``r``; UNAVAILABLE (including a dead connection)

@@ -218,6 +218,35 @@ def test_session_affinity_and_failover_order() -> None:
     run(go())
 
 
+def test_one_outage_seen_by_many_calls_backs_off_once() -> None:
+    """2000 calls failing inside one backoff window (streams meeting the same
+    outage, as in the chaos soak's draft kill) back the replica off once: not
+    doubled per call, which reached the 30 s cap at the fifth call and past
+    the 1025th raised OverflowError out of every request that touched the
+    replica (UNKNOWN to healthy clients). A failure after the window ends
+    doubles it, up to the cap."""
+    async def go() -> None:
+        cl = Cluster(["t0:1"], backoff_s=2.0, max_backoff_s=30.0)
+        await cl.pool.start()
+        r = cl.pool.replicas["t0:1"]
+
+        async def down(_client: Any) -> Any:
+            raise Unavailable("target: connection refused")
+
+        for _ in range(2000):
+            with pytest.raises(Unavailable):
+                await cl.pool.call(r, down)
+        assert r.down_until == cl.now + 2.0
+        for want in (4.0, 8.0, 16.0, 30.0, 30.0):
+            cl.now = r.down_until + 0.1
+            with pytest.raises(Unavailable):
+                await cl.pool.call(r, down)
+            assert r.down_until == cl.now + want
+        await cl.pool.close()
+
+    run(go())
+
+
 def test_a_replica_not_serving_gets_new_sessions_only_as_a_last_resort() -> None:
     async def go() -> None:
         cl = Cluster(["a:1", "b:1"])
