@@ -79,6 +79,7 @@ if str(REPO) not in sys.path:
 import grpc  # noqa: E402
 
 from specdec.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc  # noqa: E402
+from specdec_app.loadbench import rss_mb as proc_rss_mb  # noqa: E402
 from tests.stack import free_port, make_request, scrape_metrics, wait_serving  # noqa: E402
 
 #: tests/conftest.py's tiny vocabulary (TINY_CHARS; vocab 34 with <|endoftext|>)
@@ -174,21 +175,15 @@ class Service:
 
 
 def rss_mb(pid: int) -> float | None:
+    """Resident set size in MiB: psutil when installed, else /proc's VmRSS; None when the process is gone."""
     try:
         import psutil
-
-        return float(psutil.Process(pid).memory_info().rss) / 2**20
     except ImportError:
-        pass
-    except Exception:  # gone
-        return None
+        return proc_rss_mb(pid)
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError, IndexError):
+        return float(psutil.Process(pid).memory_info().rss) / 2**20
+    except psutil.Error:
         return None
-    return None
 
 
 class RssSampler:
