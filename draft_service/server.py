@@ -409,7 +409,10 @@ def measure_token_ms(drafter: Drafter, rounds: int = 3, gamma: int = 4) -> float
 async def _reap(sessions: SessionStore, ttl_s: float) -> None:
     while True:
         await asyncio.sleep(max(0.5, min(ttl_s / 4, 30.0)))
-        sessions.reap()
+        try:
+            sessions.reap()
+        except Exception as e:  # the reaper outlives any one failure (as the target's)
+            log(logger, logging.ERROR, "idle-session reaper failed; retrying next period", error=repr(e))
 
 
 async def start(config: DraftServiceConfig) -> DraftServer:

@@ -530,7 +530,9 @@ class Decoder:
                 if attempt == MAX_REBUILDS_PER_ROUND:
                     raise Unavailable(f"target session lost {attempt + 1} times in one round: {e.message}") from None
                 attempt += 1
-                await self._rebuild_target(release_old=isinstance(e, FailedPrecondition))
+                # whatever is left of the old session is released (off the
+                # critical path): only NOT_FOUND says it is gone already
+                await self._rebuild_target(release_old=not isinstance(e, NotFound))
                 continue
             self.target_cache_len = reply.cache_len
             self.stats.verify_ms += reply.compute_ms

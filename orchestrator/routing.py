@@ -207,6 +207,9 @@ class Replica(Generic[C]):
     failures: int = 0  # consecutive failed calls
     removed: bool = False  # gone from discovery
     sessions_created: int = 0
+    # what the replica computes with (targets: "dtype/backend" from its
+    # ModelInfo; "" = not known yet), read each time it turns SERVING
+    numerics: str = ""
 
     @property
     def client(self) -> C:
@@ -228,10 +231,14 @@ class ReplicaPool(Generic[C]):
     resolver: Callable[[str, int], list[str]] = resolve_dns
     clock: Callable[[], float] = time.monotonic
     rng: random.Random = field(default_factory=random.Random)
+    # reads a replica's numerics from its client (targets: ModelInfo's dtype
+    # and backend); None = the service's replicas all count as alike
+    numerics_of: Callable[[C], Awaitable[str]] | None = None
     replicas: dict[str, Replica[C]] = field(default_factory=dict)
     _last: dict[str, list[str]] = field(default_factory=dict)
     _task: asyncio.Task[None] | None = None
     _retiring: set[asyncio.Task[None]] = field(default_factory=set)
+    _releases: set[asyncio.Future[Any]] = field(default_factory=set)  # best-effort releases in flight
 
     @property
     def dynamic(self) -> bool:
@@ -297,12 +304,54 @@ class ReplicaPool(Generic[C]):
             if ok != r.serving:
                 log(logger, logging.INFO, "replica health changed", service=self.service, address=r.address,
                     serving=ok)
+            # a replica turning SERVING, or one that failed a call since (it may
+            # have restarted), may have recalibrated: read its numerics again
+            relearn = ok and (not r.serving or r.failures > 0 or not r.numerics)
             r.serving = ok
+            if relearn and self.numerics_of is not None:
+                await self._learn_numerics(r)
 
         await asyncio.gather(*(one(r) for r in replicas))
+        kinds = {r.numerics for r in self.replicas.values() if r.numerics}
+        if len(kinds) > 1:
+            log(logger, logging.WARNING, "replicas run different numerics; a session is only rebuilt on a "
+                "replica with its own", service=self.service,
+                numerics={r.address: r.numerics for r in self.replicas.values()})
         now = self.clock()
         up = sum(1 for r in self.replicas.values() if r.available(now))
         self.events.replicas_changed(self.service, up, len(self.replicas) - up)
+
+    async def _learn_numerics(self, r: Replica[C]) -> None:
+        assert self.numerics_of is not None
+        try:
+            numerics = await asyncio.wait_for(self.numerics_of(r.client), self.cfg.health_timeout_s)
+        except Exception as e:  # not known yet: the replica takes no rebuilds until it is
+            log(logger, logging.WARNING, "replica numerics not read", service=self.service, address=r.address,
+                error=repr(e))
+            return
+        if numerics != r.numerics:
+            log(logger, logging.INFO, "replica numerics", service=self.service, address=r.address,
+                numerics=numerics, before=r.numerics or None)
+        r.numerics = numerics
+
+    def release_later(self, r: Replica[C], session_id: str, timeout: float) -> None:
+        """Releases ``session_id`` on ``r`` off the caller's path, best effort
+        (bounded by ``timeout``; a failure is logged, never raised): for a
+        session the caller stops using after an error that may have left it
+        alive on the replica (docs/reliability.md, "Leaked sessions")."""
+
+        async def release() -> None:
+            try:
+                await asyncio.wait_for(r.client.release(session_id, timeout), timeout)
+            except NotFound:
+                pass
+            except Exception as e:
+                log(logger, logging.INFO, "best-effort release failed (the replica's TTL reaps it)",
+                    service=self.service, address=r.address, session_id=session_id, error=repr(e))
+
+        task = asyncio.ensure_future(release())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def start(self) -> None:
         await self.refresh()
@@ -326,6 +375,8 @@ class ReplicaPool(Generic[C]):
             self._task.cancel()
         for t in list(self._retiring):
             t.cancel()
+        if self._releases:  # give the best-effort releases their (bounded) chance
+            await asyncio.wait(list(self._releases), timeout=self.cfg.health_timeout_s)
         for r in list(self.replicas.values()):
             await r.endpoint.close()
         self.replicas.clear()
@@ -351,7 +402,10 @@ class ReplicaPool(Generic[C]):
     async def call(self, r: Replica[C], fn: Callable[[C], Awaitable[T]], back_off: bool = True) -> T:
         """Runs one call on ``r``; UNAVAILABLE (including a dead connection)
         backs the replica off unless ``back_off`` is False (readiness polls:
-        a replica still loading its model has not failed)."""
+        a replica still loading its model has not failed). Nothing else
+        does: INVALID_ARGUMENT is the request's fault and INTERNAL a server
+        fault that says nothing about the replica's reachability
+        (docs/reliability.md, "Error classification")."""
         r.in_flight += 1
         try:
             result = await fn(r.client)
@@ -411,6 +465,9 @@ class ReplicaPool(Generic[C]):
 class _Bound(Generic[C]):
     """One request's view of a pool: remembers which replica holds each of its sessions."""
 
+    #: bound on a best-effort release of a session left behind after an error
+    RELEASE_TIMEOUT_S = 2.0
+
     def __init__(self, pool: ReplicaPool[C], key: str) -> None:
         self.pool = pool
         self.key = key
@@ -428,6 +485,14 @@ class _Bound(Generic[C]):
             r.sessions -= 1
         return r
 
+    def _abandon(self, session_id: str) -> None:
+        """Forgets a session after an error that may have left it alive on
+        its replica (a transient UNAVAILABLE, a broken stream) and releases
+        it there in the background: nothing is left for the TTL."""
+        r = self._dropped(session_id)
+        if r is not None:
+            self.pool.release_later(r, session_id, self.RELEASE_TIMEOUT_S)
+
     def _replica(self, session_id: str) -> Replica[C]:
         r = self.sessions.get(session_id)
         if r is None:
@@ -444,16 +509,38 @@ class RoutedTarget(_Bound[Any]):
     """``TargetClient`` for one request: sessions by bounded-load hashing on
     the request key; a session's calls go to the replica holding its cache.
     A failed replica surfaces as UNAVAILABLE or NOT_FOUND, and the decode
-    loop's rebuild (a Prefill) lands on the next replica."""
+    loop's rebuild (a Prefill) lands on the next replica that runs the same
+    numerics as the request's first session (calibration is per node: a
+    replica on other numerics could continue the text differently), or
+    fails UNAVAILABLE when there is none."""
+
+    def __init__(self, pool: ReplicaPool[Any], key: str) -> None:
+        super().__init__(pool, key)
+        self.numerics: str | None = None  # of the first session's replica; None before it
+
+    def _order(self) -> list[Replica[Any]]:
+        order = self.pool.target_order(self.key)
+        if self.numerics is None or not self.numerics:  # the first session (or numerics never learned)
+            return order
+        same = [r for r in order if r.numerics == self.numerics]
+        if not same:
+            raise Unavailable(
+                f"no target replica runs this request's numerics ({self.numerics}) to rebuild its session on "
+                f"(others: {', '.join(sorted({r.numerics or '?' for r in order})) or 'none'}); "
+                "a rebuild on other numerics could change the output"
+            )
+        return same
 
     async def prefill(
         self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int, timeout: float | None,
         options: SessionOptions | None = None,
     ) -> PrefillReply:
         r, reply = await self.pool.first_success(
-            self.pool.target_order(self.key),
+            self._order(),
             lambda c: c.prefill(token_ids, cfg, sample_next, rng_offset, timeout, options),
         )
+        if self.numerics is None:
+            self.numerics = r.numerics
         self._opened(r, reply.session_id)
         return reply
 
@@ -472,8 +559,11 @@ class RoutedTarget(_Bound[Any]):
             return await self.pool.call(
                 r, lambda c: c.verify(session_id, cache_len, new_ids, draft_ids, q, timeout, post)
             )
-        except (NotFound, Unavailable):
+        except NotFound:
             self._dropped(session_id)  # the cache is gone with it; the caller rebuilds
+            raise
+        except Unavailable:
+            self._abandon(session_id)  # maybe only the call was lost: release what may still live there
             raise
 
 
@@ -507,7 +597,7 @@ class RoutedDraft(_Bound[Any]):
             self._dropped(session_id)
             raise
         except Unavailable as e:
-            self._dropped(session_id)
+            self._abandon(session_id)
             raise NotFound(f"draft replica {r.address} failed: {e.message}") from None
 
     async def open_stream(

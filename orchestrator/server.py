@@ -83,6 +83,13 @@ def load_tokenizer(spec: str, cache_dir: Path | None) -> Any:
     return AutoTokenizer.from_pretrained(str(resolved.hf_dir))
 
 
+async def target_numerics(client: GrpcTargetClient) -> str:
+    """A target replica's numerics as routing compares them: "dtype/backend"
+    from its ModelInfo (what calibration chose on that node)."""
+    info = await client.info(timeout=5.0)
+    return f"{info.dtype}/{info.backend}" if info.dtype or info.backend else ""
+
+
 async def _wait_info(client: Any, name: str, timeout_s: float) -> Any:
     """Polls GetModelInfo until the service answers (it is UNAVAILABLE while loading)."""
     deadline = time.monotonic() + timeout_s
@@ -160,7 +167,7 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
     target: Router[GrpcTargetClient] = Router(
         ReplicaPool("target", list(config.target_addresses),
                     endpoint(lambda ch: GrpcTargetClient(ch, verify_stream=config.target_verify_stream)),
-                    config.routing, events),
+                    config.routing, events, numerics_of=target_numerics),
         RoutedTarget,
     )
     routers: list[Router[Any]] = [target]

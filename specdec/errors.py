@@ -47,17 +47,32 @@ class Cancelled(SpecdecError):
     code = grpc.StatusCode.CANCELLED
 
 
+class Internal(SpecdecError):
+    """A server fault (a bug, corrupt weights, non-finite logits): the
+    request did nothing wrong, but the replica is not gone either. Neither
+    backs a replica off nor triggers a rebuild (docs/reliability.md)."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 _BY_CODE: dict[grpc.StatusCode, type[SpecdecError]] = {
     cls.code: cls
-    for cls in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Unavailable, DeadlineExceeded, Cancelled)
+    for cls in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Unavailable, DeadlineExceeded,
+                Cancelled, Internal)
 }
 
 
 def from_rpc_error(err: grpc.RpcError, service: str) -> SpecdecError:
-    """Maps a downstream RpcError onto the domain error with the same code."""
+    """Maps a downstream RpcError onto the domain error with the same code.
+
+    Only UNAVAILABLE (which gRPC also reports for a refused, reset or lost
+    connection) becomes :class:`Unavailable`, the one error that counts
+    against a replica. Every status without a class of its own (INTERNAL,
+    UNKNOWN, DATA_LOSS, UNIMPLEMENTED, PERMISSION_DENIED, ...) is a fault on
+    the server's side: :class:`Internal`, keeping the code it came with."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
-    cls = _BY_CODE.get(code, Unavailable)
+    cls = _BY_CODE.get(code, Internal)
     e = cls(f"{service}: {details}")
-    e.code = code if code in _BY_CODE else grpc.StatusCode.UNAVAILABLE
+    e.code = code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.INTERNAL
     return e

@@ -27,9 +27,13 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from specdec.errors import InvalidArgument
+from specdec.errors import Internal, InvalidArgument
 
 MAX_TOP_K = 1 << 20
+#: temperatures in (0, TEMPERATURE_FLOOR) are greedy (as vLLM treats those
+#: below 1e-5): logits / T would overflow float32 to inf, and the softmax of
+#: inf is NaN (docs/reliability.md, "Error classification")
+TEMPERATURE_FLOOR = 1e-5
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,10 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if 0.0 < self.temperature < TEMPERATURE_FLOOR:
+            object.__setattr__(self, "temperature", 0.0)  # greedy; -0.0 and NaN are left to validate()
 
     @property
     def greedy(self) -> bool:
@@ -81,6 +89,9 @@ def processed_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     if cfg.greedy:
         return logits.float()
     x = logits.float() / cfg.temperature
+    if bool(torch.isnan(x).any()) or bool(torch.isposinf(x).any()):
+        # the model's own fault (T >= TEMPERATURE_FLOOR keeps finite logits finite): never sampled from
+        raise Internal("the model produced non-finite logits; the sampler refused them")
     vocab = x.shape[-1]
     if 0 < cfg.top_k < vocab:
         kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]  # [k, 1]

@@ -5,7 +5,12 @@ target_service/loading.py.
 
 Every public method runs on the model worker thread (see
 ``specdec.grpc_util.ModelWorker``), so sessions are never mutated
-concurrently; the servicer only validates and dispatches.
+concurrently; the servicer only validates and dispatches. The exceptions are
+:meth:`TargetEngine.release` and :meth:`TargetEngine.reap_idle`: they only
+drop entries from the session table under its lock, so the servicer calls
+them from the event loop (a Release must not wait behind, or be refused by,
+a full model queue); a batch running with a released session finishes on
+its own reference to it.
 """
 
 from __future__ import annotations
@@ -98,7 +103,7 @@ class TargetEngine:
         self.device = pick_device(device)
         self.dtype = parse_dtype(dtype)
         self.backend = backend
-        set_threads(self.device, threads)
+        set_threads(self.device, threads, backend)
         if model is None:
             model = load_model(hf_dir, self.dtype, backend, self.device, model_name, gguf_path)
         self.model = model
@@ -123,7 +128,7 @@ class TargetEngine:
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._sessions: OrderedDict[str, TargetSession] = OrderedDict()  # LRU order
-        self._lock = threading.Lock()  # guards the dict against the reaper
+        self._lock = threading.Lock()  # guards the dict against Release and the reaper (event-loop thread)
         self.evictions = 0
         self.grammars: LazyGrammarCompiler | None = None  # structured output; set with the tokenizer (server.py)
 

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from specdec.logging_util import log
-from target_service.backends import apply_backend, load_dtype, set_compute_threads
+from target_service.backends import apply_backend, load_dtype, set_backend_threads, set_compute_threads
 
 logger = logging.getLogger("specdec.target")
 
@@ -36,11 +36,18 @@ def pick_device(spec: str) -> torch.device:
     return torch.device(spec)
 
 
-def set_threads(device: torch.device, threads: int) -> None:
+def set_threads(device: torch.device, threads: int, backend: str | None = None) -> None:
+    """The compute threads on CPU (``--threads``; 0 = all cores). With
+    ``backend`` (the model is loaded for it) they are divided between torch
+    and the backend's kernel again, as :func:`apply_backend` divided them:
+    bf16w and kquant keep torch on one thread, so the served cost is the
+    calibrated one."""
     if device.type == "cpu":
         if threads > 0:
             torch.set_num_threads(threads)
         set_compute_threads(threads)
+        if backend is not None:
+            set_backend_threads(backend)
 
 
 def load_model(

@@ -245,7 +245,12 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
     ) -> common_pb2.ReleaseResponse:
         if not request.session_id:
             raise InvalidArgument("session_id is required")
-        released, _ = await self.worker.run(self.engine.release, request.session_id)
+        # bookkeeping, not model work: never behind the bounded model queue
+        # (under overload a Release must still free the KV cache). The
+        # engine's lock guards its session table; a batch already running
+        # with the session finishes on its own reference, and the cache is
+        # freed when that step ends.
+        released = self.engine.release(request.session_id)
         forget = getattr(self.worker, "forget", None)
         if forget is not None:
             forget(request.session_id)  # no longer a peer worth a batch window
@@ -257,7 +262,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             return
         out, _ = job.result()
         assert isinstance(out, PrefillOutcome)
-        asyncio.ensure_future(self.worker.run(self.engine.release, out.session_id))
+        self.engine.release(out.session_id)  # as Release: no model queue
 
     def on_batch(self, report: BatchReport) -> None:
         """Called on the model thread after each forward pass."""
@@ -301,10 +306,16 @@ class TargetServer:
         self.worker.shutdown()
 
 
-async def _reap(engine: TargetEngine, worker: BatchScheduler, ttl_s: float) -> None:
+async def _reap(engine: TargetEngine, ttl_s: float) -> None:
+    """Releases idle sessions every ttl/4 (at least 1 s) until cancelled.
+    Bookkeeping under the engine's lock, not through the model queue (a full
+    queue must not stop it), and no error ends it: each is logged."""
     while True:
         await asyncio.sleep(max(1.0, ttl_s / 4))
-        await worker.run(engine.reap_idle, ttl_s)
+        try:
+            engine.reap_idle(ttl_s)
+        except Exception as e:  # the reaper outlives any one failure
+            log(logger, logging.ERROR, "idle-session reaper failed; retrying next period", error=repr(e))
 
 
 def load_engine(config: TargetServiceConfig) -> tuple[TargetEngine, str, CalibrationResult]:
@@ -386,7 +397,7 @@ async def start(config: TargetServiceConfig) -> TargetServer:
     servicer.attach(engine, fingerprint, calibration)
     worker.attach(engine.run_batch)
     metrics_port = serve_metrics(servicer.metrics.registry, config.metrics_port, config.metrics_host)
-    reaper = asyncio.create_task(_reap(engine, worker, config.session_ttl_s))
+    reaper = asyncio.create_task(_reap(engine, config.session_ttl_s))
     await handle.set_serving(True)
     log(logger, logging.INFO, "target service ready", port=handle.port, model=engine.model_name,
         dtype=calibration.dtype, backend=calibration.backend, chosen_by=calibration.chosen_by)
