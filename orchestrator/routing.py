@@ -28,7 +28,12 @@ with fakes.
   than ``ceil(c × (sessions + 1) / replicas)`` of this orchestrator's
   sessions, c = ``target_load_factor``. A session's Verify calls always go to
   the replica that holds its cache; when that replica fails, the request's
-  next Prefill (the rebuild) walks the same order and lands on the next one.
+  next Prefill (the rebuild) walks the same order and lands on the next one
+  that runs the same numerics (dtype/backend, from each replica's ModelInfo)
+  as the request's first session; none left is UNAVAILABLE.
+- **Errors.** Only UNAVAILABLE backs a replica off. A session left behind
+  after one (the call may be all that was lost) is released in the
+  background, best effort (docs/reliability.md).
 - **Drafts** are chosen at session creation by the power of two choices on
   load (sessions + in-flight calls); a session then stays on its replica.
   When its replica fails the session is reported lost (NOT_FOUND), so the
@@ -208,7 +213,7 @@ class Replica(Generic[C]):
     removed: bool = False  # gone from discovery
     sessions_created: int = 0
     # what the replica computes with (targets: "dtype/backend" from its
-    # ModelInfo; "" = not known yet), read each time it turns SERVING
+    # ModelInfo; "" = not known yet), read when it turns SERVING or after it failed
     numerics: str = ""
 
     @property
@@ -338,7 +343,7 @@ class ReplicaPool(Generic[C]):
         """Releases ``session_id`` on ``r`` off the caller's path, best effort
         (bounded by ``timeout``; a failure is logged, never raised): for a
         session the caller stops using after an error that may have left it
-        alive on the replica (docs/reliability.md, "Leaked sessions")."""
+        alive on the replica (docs/reliability.md, "Sessions left behind")."""
 
         async def release() -> None:
             try:

@@ -348,10 +348,11 @@ class ServiceProcess:
 
 def start_service_process(
     service: str, model_dir: Path, cache_dir: Path, *, precision: str = "fp32", dtype: str = "float32",
-    drain_timeout_s: float = 30.0,
+    drain_timeout_s: float = 30.0, backend: str = "",
 ) -> ServiceProcess:
     """Starts ``specdec serve target|draft`` for a tiny model (one thread; the
-    draft hosts only its model drafter). Call ``wait_serving()`` before use."""
+    draft hosts only its model drafter). Call ``wait_serving()`` before use.
+    ``backend`` pins a target's backend ("" = calibrated at start-up)."""
     port, metrics_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "specdec_app.cli", "serve", service, "--model", str(model_dir), "--port", str(port),
            "--cache-dir", str(cache_dir), "--log-level", "warning", "--threads", "1",
@@ -359,7 +360,7 @@ def start_service_process(
     if service == "draft":
         cmd += ["--precision", precision, "--drafters", "qwen2.5-coder-0.5b"]
     else:
-        cmd += ["--dtype", dtype]
+        cmd += ["--dtype", dtype] + (["--backend", backend] if backend else [])
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
     return ServiceProcess(service, proc, port, metrics_port)
 

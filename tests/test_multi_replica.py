@@ -80,7 +80,9 @@ def cluster(tiny_models, tiny_onnx, tmp_path_factory) -> Iterator[Cluster]:  # t
         procs.append(start_service_process("draft", tiny_models.draft, cache))
         return procs[-1]
 
-    procs += [start_service_process("target", tiny_models.target, cache) for _ in range(2)]
+    # one numerics on both (a rebuild never moves a session to other numerics,
+    # and two nodes calibrating at once could pick different backends)
+    procs += [start_service_process("target", tiny_models.target, cache, backend="eager") for _ in range(2)]
     for _ in range(2):
         start_draft()
     loop = LoopThread()
