@@ -207,7 +207,7 @@ class RssSampler:
             for s in self.services:
                 if s.proc is not None and s.proc.poll() is None and s.lives and s.lives[-1].ready is not None:
                     mb = rss_mb(s.proc.pid)
-                    if mb is not None:
+                    if mb:  # None or 0: gone (a killed process not yet reaped reads 0)
                         key = (s.name, len(s.lives) - 1)
                         self.series.setdefault(key, []).append((time.monotonic() - self.t0, round(mb, 1)))
             self._stop.wait(self.interval)
