@@ -30,6 +30,7 @@ from specdec.grpc_util import ModelWorker, ServerHandle, WorkTiming, drain, star
 from specdec.logging_util import log
 from specdec.metrics import ModelServiceMetrics, serve_metrics
 from specdec.sampling import SamplingConfig
+from specdec.session_ids import check_session_id
 from specdec.validation import check_min_confidence
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -122,10 +123,15 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     ) -> draft_pb2.CreateDraftSessionResponse:
         cfg = SamplingConfig.from_proto(request.sampling if request.HasField("sampling") else None)
         d = self._get(request.drafter)
+        if request.session_id:
+            check_session_id(request.session_id)
         if self.draining:
             raise Unavailable("the draft replica is shutting down; create the session on another replica")
         grammar = await grammar_state(d.grammars, d.drafter.name, request)
-        session = self.sessions.create(d.drafter, cfg, int(request.rng_offset), grammar=grammar)
+        # a caller that goes after this (its deadline racing the reply) is not
+        # seen here: it releases the id it chose (docs/reliability.md)
+        session = self.sessions.create(d.drafter, cfg, int(request.rng_offset), grammar=grammar,
+                                       session_id=request.session_id)
         return draft_pb2.CreateDraftSessionResponse(session_id=session.id, drafter=d.drafter.name,
                                                     grammar_applied=grammar is not None)
 

@@ -13,17 +13,17 @@ import asyncio
 import logging
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from draft_service.drafter import Drafter, Proposal
-from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError
+from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError
 from specdec.grammar import GrammarSpec, GrammarState, LazyGrammarCompiler
 from specdec.logging_util import log
 from specdec.sampling import SamplingConfig, session_rng
+from specdec.session_ids import Tombstones, new_session_id
 from specdec.validation import check_token_ids
 
 logger = logging.getLogger("specdec.draft.sessions")
@@ -78,6 +78,8 @@ class SessionStore:
         self._clock = clock
         self._sessions: dict[str, DraftSession] = {}
         self._lock = threading.Lock()
+        # ids released before a session held them (a caller whose create failed on its side)
+        self._tombstones = Tombstones(clock=clock)
         self.created_total = 0
         self.released_total = 0
         self.reaped_total = 0
@@ -86,19 +88,26 @@ class SessionStore:
         return len(self._sessions)
 
     def create(self, drafter: Drafter, cfg: SamplingConfig, rng_offset: int = 0, streamed: bool = False,
-               grammar: GrammarState | None = None) -> DraftSession:
+               grammar: GrammarState | None = None, session_id: str = "") -> DraftSession:
         """A new session (``streamed``: owned by a Session stream). Seeded: stream ``rng_offset`` of the seed (0 = the
         seed's own stream; others are independent streams of the same seed,
         so a recreated session is reproducible but never replays the draws
-        of the one it replaces, docs/design.md rule 6)."""
+        of the one it replaces, docs/design.md rule 6). ``session_id``: the
+        id the caller chose ("" = a new one): ALREADY_EXISTS while a session
+        holds it, NOT_FOUND when it was released before this create (the
+        caller gave up on it: nothing is kept)."""
         now = self._clock()
         with self._lock:
+            if session_id in self._tombstones:
+                raise NotFound(f"draft session {session_id!r} was released before it was created")
+            if session_id in self._sessions:
+                raise AlreadyExists(f"draft session {session_id!r} already exists")
             if len(self._sessions) >= self.max_sessions:
                 self._reap_locked(now)
             if len(self._sessions) >= self.max_sessions:
                 raise ResourceExhausted(f"draft service is at its session limit ({self.max_sessions})")
             rng = session_rng(cfg.seed, rng_offset)
-            sid = uuid.uuid4().hex
+            sid = session_id or new_session_id()
             session = DraftSession(
                 id=sid, drafter=drafter, state=drafter.new_state(), cfg=cfg, rng=rng, created=now, last_used=now,
                 streamed=streamed, grammar=grammar,
@@ -116,8 +125,11 @@ class SessionStore:
             return session
 
     def release(self, session_id: str) -> None:
+        """NOT_FOUND for an id no session holds, which is then remembered for
+        a while: a create with it (still on its way) keeps nothing."""
         with self._lock:
             if self._sessions.pop(session_id, None) is None:
+                self._tombstones.add(session_id)
                 raise NotFound(f"unknown draft session {session_id!r}")
             self.released_total += 1
 

@@ -124,12 +124,15 @@ class GrpcTargetClient(_GrpcClient):
 
     async def prefill(
         self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int, timeout: float | None,
-        options: SessionOptions | None = None,
+        options: SessionOptions | None = None, session_id: str = "",
     ) -> PrefillReply:
+        """``session_id``: the id to give the new session ("" = the target
+        picks one); the reply's id is the one to use (an older target
+        ignores the request's)."""
         opts = options or SessionOptions()
         req = target_pb2.PrefillRequest(
             token_ids=token_ids, sampling=sampling_proto(cfg), sample_next_token=sample_next, rng_offset=rng_offset,
-            return_logprobs=opts.top_logprobs >= 0, top_logprobs=max(0, opts.top_logprobs),
+            return_logprobs=opts.top_logprobs >= 0, top_logprobs=max(0, opts.top_logprobs), session_id=session_id,
         )
         set_grammar(req, opts)
         r = await self._rpc("Prefill", req, timeout)
@@ -300,8 +303,11 @@ class GrpcDraftClient(_GrpcClient):
         self.batch_events = batch_events
 
     async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None, rng_offset: int = 0,
-                     options: SessionOptions | None = None) -> str:
-        req = draft_pb2.CreateDraftSessionRequest(sampling=sampling_proto(cfg), drafter=drafter, rng_offset=rng_offset)
+                     options: SessionOptions | None = None, session_id: str = "") -> str:
+        """The new session's id: ``session_id`` when given (an older draft
+        ignores it and picks its own)."""
+        req = draft_pb2.CreateDraftSessionRequest(sampling=sampling_proto(cfg), drafter=drafter, rng_offset=rng_offset,
+                                                  session_id=session_id)
         set_grammar(req, options or SessionOptions())
         r = await self._rpc("CreateSession", req, timeout)
         return r.session_id

@@ -100,6 +100,9 @@ class DecodeParams:
     speculate: bool
     drafter: str = ""  # sent to the draft service ("" = its default)
     drafter_label: str = ""  # the drafter's name for stats and metrics
+    # the drafters the draft service hosted when it attached: a name outside
+    # them is still the client's error while no draft replica can check it
+    hosted_drafters: frozenset[str] = frozenset()
     draft_timeout_s: float = 5.0
     draft_retry_after_rounds: int = 4
     target_timeout_s: float = 120.0
@@ -176,6 +179,15 @@ class Decoder:
         self.stats.verify_ms += reply.compute_ms
         self.stats.prefill_ms += reply.compute_ms
 
+    def _check_unhosted(self) -> None:
+        """The draft could not be asked (down, backed off, slow) before this
+        request's first draft session: a drafter name it did not host when it
+        attached is refused as the draft would have refused it, rather than
+        served target-only as if it were valid."""
+        name, hosted = self.p.drafter, self.p.hosted_drafters
+        if name and hosted and name not in hosted and self.draft_sessions == 0:
+            raise UnknownDrafter(f"speculation.drafter: unknown drafter {name!r}; available: {sorted(hosted)}")
+
     async def _create_draft(self) -> None:
         assert self.draft is not None
         try:
@@ -188,6 +200,7 @@ class Decoder:
         except InvalidArgument as e:  # e.g. an unknown drafter name: the client's error
             raise UnknownDrafter(f"speculation.drafter: {e.message}") from None
         except SpecdecError as e:
+            self._check_unhosted()
             log(logger, logging.WARNING, "draft session not created; continuing target-only", error=e.message)
 
     async def _propose(self, gamma: int, min_confidence: float) -> ProposeReply | None:
@@ -391,6 +404,7 @@ class Decoder:
         except InvalidArgument as e:
             raise UnknownDrafter(f"speculation.drafter: {e.message}") from None
         except SpecdecError as e:
+            self._check_unhosted()
             log(logger, logging.WARNING, "draft stream not opened; continuing target-only", error=e.message)
             return
         self.draft_sessions += 1  # a stream opened later draws a fresh random stream

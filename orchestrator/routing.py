@@ -18,8 +18,9 @@ with fakes.
   ``grpc.health.v1`` Check: new sessions go to SERVING replicas first (so a
   pod still loading its model, or draining, gets none). A call that fails
   with UNAVAILABLE (or a dead connection) puts the replica in backoff
-  (``backoff_s``, doubling to ``max_backoff_s``); a call that succeeds ends
-  it. Replicas not available are still tried last, so one lagging health
+  (``backoff_s``, doubling to ``max_backoff_s`` per failure after the
+  previous backoff ended: concurrent failures of one outage count once); a
+  call that succeeds ends it. Replicas not available are still tried last, so one lagging health
   check never fails a request.
 - **Targets** (KV cache per session) are chosen per request key by
   rendezvous hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam
@@ -62,9 +63,10 @@ from orchestrator.placement import (  # noqa: F401  (re-exported: the routing AP
     two_choices_order,
 )
 from orchestrator.protocols import PostToken, PrefillReply, ProposeReply, SessionOptions, VerifyReply
-from specdec.errors import NotFound, ResourceExhausted, SpecdecError, Unavailable
+from specdec.errors import AlreadyExists, NotFound, ResourceExhausted, SpecdecError, Unavailable
 from specdec.logging_util import log
 from specdec.sampling import SamplingConfig, SparseQ
+from specdec.session_ids import new_session_id
 
 logger = logging.getLogger("specdec.orchestrator.routing")
 
@@ -300,12 +302,21 @@ class ReplicaPool(Generic[C]):
 
     # ---------------------------------------------------------------- calls
     def mark_failed(self, r: Replica[C], error: str) -> None:
-        r.failures += 1
-        backoff = min(self.cfg.max_backoff_s, self.cfg.backoff_s * 2 ** (r.failures - 1))
-        r.down_until = self.clock() + backoff
+        """Backs ``r`` off for ``backoff_s``, doubled per failure up to
+        ``max_backoff_s``. Calls that fail while it is already backed off
+        (other streams meeting the same outage) count, and restart the
+        window, but do not double it: one outage seen by 32 streams is one
+        failure, not 2^32 (which also overflowed the float)."""
+        now = self.clock()
+        escalate = now >= r.down_until
+        if escalate:
+            r.failures += 1
+        backoff = min(self.cfg.max_backoff_s, self.cfg.backoff_s * 2.0 ** min(max(r.failures - 1, 0), 30))
+        r.down_until = now + backoff
         self.events.replica_failed(self.service, r.address, error)
-        log(logger, logging.WARNING, "replica failed; backing off", service=self.service, address=r.address,
-            backoff_s=backoff, error=error)
+        if escalate:  # once per window, not once per failed call
+            log(logger, logging.WARNING, "replica failed; backing off", service=self.service, address=r.address,
+                backoff_s=backoff, error=error)
 
     async def call(self, r: Replica[C], fn: Callable[[C], Awaitable[T]], back_off: bool = True) -> T:
         """Runs one call on ``r``; UNAVAILABLE (including a dead connection)
@@ -351,13 +362,35 @@ class ReplicaPool(Generic[C]):
         self, order: list[Replica[C]], fn: Callable[[C], Awaitable[T]], back_off: bool = True
     ) -> tuple[Replica[C], T]:
         """Tries ``fn`` on each replica in order; UNAVAILABLE and RESOURCE_EXHAUSTED move on."""
+        return await self._first(order, lambda c, _sid: fn(c), back_off, None)
+
+    async def first_create(
+        self, order: list[Replica[C]], fn: Callable[[C, str], Awaitable[T]], release_timeout_s: float
+    ) -> tuple[Replica[C], T]:
+        """``first_success`` for a call that creates a session the caller
+        names: each try passes ``fn`` a fresh id, and a try that fails in any
+        way (cancelled, deadline, UNAVAILABLE, INTERNAL, ...) releases that
+        id on its replica in the background, since the replica may have
+        created the session all the same (the reply lost, or the caller's
+        deadline beat it). ALREADY_EXISTS names another session: kept."""
+        return await self._first(order, fn, True, release_timeout_s)
+
+    async def _first(
+        self, order: list[Replica[C]], fn: Callable[[C, str], Awaitable[T]], back_off: bool,
+        release_timeout_s: float | None,
+    ) -> tuple[Replica[C], T]:
         if not order:
             raise Unavailable(f"no {self.service} replicas discovered from {', '.join(self.entries) or '(none)'}")
         last: SpecdecError | None = None
         for r in order:
+            sid = new_session_id() if release_timeout_s is not None else ""
             try:
-                return r, await self.call(r, fn, back_off)
-            except (Unavailable, ResourceExhausted) as e:
+                return r, await self.call(r, lambda c: fn(c, sid), back_off)
+            except BaseException as e:  # CancelledError included: the request itself is gone
+                if release_timeout_s is not None and not isinstance(e, AlreadyExists):
+                    self.release_later(r, sid, release_timeout_s)
+                if not isinstance(e, (Unavailable, ResourceExhausted)):
+                    raise
                 last = e
         assert last is not None
         raise type(last)(f"no {self.service} replica could serve the call ({len(order)} tried); last: {last.message}")
@@ -443,9 +476,10 @@ class RoutedTarget(_Bound[Any]):
         self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int, timeout: float | None,
         options: SessionOptions | None = None,
     ) -> PrefillReply:
-        r, reply = await self.pool.first_success(
+        r, reply = await self.pool.first_create(
             self._order(),
-            lambda c: c.prefill(token_ids, cfg, sample_next, rng_offset, timeout, options),
+            lambda c, sid: c.prefill(token_ids, cfg, sample_next, rng_offset, timeout, options, session_id=sid),
+            self.RELEASE_TIMEOUT_S,
         )
         if self.numerics is None:
             self.numerics = r.numerics
@@ -482,8 +516,11 @@ class RoutedDraft(_Bound[Any]):
 
     async def create(self, cfg: SamplingConfig, drafter: str, timeout: float | None, rng_offset: int = 0,
                      options: SessionOptions | None = None) -> str:
-        r, sid = await self.pool.first_success(self.pool.draft_order(),
-                                               lambda c: c.create(cfg, drafter, timeout, rng_offset, options))
+        r, sid = await self.pool.first_create(
+            self.pool.draft_order(),
+            lambda c, name: c.create(cfg, drafter, timeout, rng_offset, options, session_id=name),
+            self.RELEASE_TIMEOUT_S,
+        )
         self._opened(r, sid)
         return str(sid)
 

@@ -134,6 +134,7 @@ async def _attach_draft(
         return
     servicer.draft = draft
     servicer.default_drafter = default
+    servicer.hosted_drafters = frozenset(infos)
     servicer.policies.set_cost_priors(draft_token_ms=costs)
     log(logger, logging.INFO, "draft service attached", draft=dinfo.model_name, drafters=sorted(infos),
         refused=sorted(servicer.refused_drafters) or None, draft_token_ms=costs or None)

@@ -98,6 +98,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.sink = MetricsSink(self.metrics, self.policies)
         self.default_drafter = ""
         self.refused_drafters: dict[str, str] = {}  # name -> why it was refused at start-up
+        self.hosted_drafters: frozenset[str] = frozenset()  # every drafter the draft hosted when it attached
         self.metrics_port: int | None = None
         self.speculation_max_streams = 0  # 0 = unlimited (set from the target at start)
         self.identify: Callable[[grpc.aio.ServicerContext], str] | None = None  # the server guard's client identity
@@ -223,6 +224,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             speculate=speculate,
             drafter=spec.drafter,
             drafter_label=spec.drafter or self.default_drafter,
+            hosted_drafters=self.hosted_drafters,
             draft_timeout_s=self.cfg.draft_timeout_s,
             draft_retry_after_rounds=self.cfg.draft_retry_after_rounds,
             target_timeout_s=self.cfg.target_timeout_s,

@@ -27,6 +27,10 @@ class NotFound(SpecdecError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class AlreadyExists(SpecdecError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class FailedPrecondition(SpecdecError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
@@ -57,8 +61,8 @@ class Internal(SpecdecError):
 
 _BY_CODE: dict[grpc.StatusCode, type[SpecdecError]] = {
     cls.code: cls
-    for cls in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Unavailable, DeadlineExceeded,
-                Cancelled, Internal)
+    for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, ResourceExhausted, Unavailable,
+                DeadlineExceeded, Cancelled, Internal)
 }
 
 

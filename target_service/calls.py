@@ -42,6 +42,9 @@ class PrefillCall:
     rng_offset: int = 0
     top_logprobs: int = -1  # the session reports logprobs with this many top tokens; -1 = none
     grammar: GrammarState | None = None  # structured output: the new session's grammar state (a fresh copy)
+    # the id the caller chose for the new session ("" = the engine picks one);
+    # not ``session_id``, which the batch scheduler reads as an existing session's
+    requested_id: str = ""
 
     session_id = ""  # a new session: never collides with another call in a batch
 

@@ -20,7 +20,6 @@ import logging
 import math
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Collection, Sequence
 import numpy as np
 import torch
 
-from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError
+from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError
 from specdec.logging_util import log
 from specdec.sampling import (
     SamplingConfig,
@@ -43,6 +42,7 @@ from specdec.sampling import (
     session_generator,
     token_logprobs,
 )
+from specdec.session_ids import Tombstones, new_session_id
 from specdec.tokenization import eos_token_ids
 from specdec.validation import check_token_id, check_token_ids
 from specdec.grammar import GrammarState, LazyGrammarCompiler
@@ -129,6 +129,9 @@ class TargetEngine:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._sessions: OrderedDict[str, TargetSession] = OrderedDict()  # LRU order
         self._lock = threading.Lock()  # guards the dict against Release and the reaper (event-loop thread)
+        # ids a Release named before a session held them (a caller whose Prefill failed on its side):
+        # a Prefill that ends with one frees its session at once (guarded by the lock)
+        self._tombstones = Tombstones()
         self.evictions = 0
         self.grammars: LazyGrammarCompiler | None = None  # structured output; set with the tokenizer (server.py)
 
@@ -151,8 +154,22 @@ class TargetEngine:
         return sess
 
     def release(self, session_id: str) -> bool:
+        """Frees the session; True when it existed. An id no session holds
+        is remembered for a while (its Prefill may still be queued or
+        running: it then ends NOT_FOUND, leaving nothing)."""
         with self._lock:
-            return self._sessions.pop(session_id, None) is not None
+            if self._sessions.pop(session_id, None) is not None:
+                return True
+            self._tombstones.add(session_id)
+            return False
+
+    def _check_new_id(self, session_id: str) -> None:
+        """A caller-chosen id for a new session (caller holds the lock):
+        NOT_FOUND once released, ALREADY_EXISTS while a session holds it."""
+        if session_id in self._tombstones:
+            raise NotFound(f"target session {session_id!r} was released before its Prefill finished")
+        if session_id in self._sessions:
+            raise AlreadyExists(f"target session {session_id!r} already exists")
 
     def reap_idle(self, ttl_s: float) -> int:
         """Releases sessions idle for longer than ``ttl_s``; returns how many."""
@@ -341,6 +358,8 @@ class TargetEngine:
                 f"prompt of {len(token_ids)} tokens exceeds this replica's KV budget of {self.kv_budget_tokens} tokens"
             )
         with self._lock:
+            if call.requested_id:
+                self._check_new_id(call.requested_id)
             while len(self._sessions) + new_sessions >= self.max_sessions:
                 victim = self._victim(protect, self.protect_active_s)
                 if victim is None:
@@ -353,7 +372,7 @@ class TargetEngine:
                 log(logger, logging.INFO, "evicted session for max_sessions", session_id=victim)
         self._make_room(reserved + len(token_ids), keep=protect, idle_s=self.protect_active_s)
         sess = TargetSession(
-            session_id=uuid.uuid4().hex,
+            session_id=call.requested_id or new_session_id(),
             cfg=cfg,
             generator=session_generator(cfg.seed, call.rng_offset),
             cache=kv.new_cache(self.model.config),
@@ -409,7 +428,8 @@ class TargetEngine:
                     lps = token_logprobs(last, sess.cfg, [nxt], sess.top_logprobs)
                 if sess.grammar is not None and not sess.grammar.follow_allowed([nxt], len(call.token_ids)):
                     nxt, lps, dead = None, [], True
-        with self._lock:
+        with self._lock:  # released while it ran (or named twice in one batch): nothing is kept
+            self._check_new_id(sess.session_id)
             self._sessions[sess.session_id] = sess
         return PrefillOutcome(sess.session_id, nxt, gap, sess.cache_len, lps, dead)
 
@@ -542,9 +562,9 @@ class TargetEngine:
 
     def prefill(
         self, token_ids: Sequence[int], cfg: SamplingConfig, sample_next: bool, rng_offset: int = 0,
-        top_logprobs: int = -1, grammar: GrammarState | None = None,
+        top_logprobs: int = -1, grammar: GrammarState | None = None, session_id: str = "",
     ) -> PrefillOutcome:
-        out = self._one(PrefillCall(list(token_ids), cfg, sample_next, rng_offset, top_logprobs, grammar))
+        out = self._one(PrefillCall(list(token_ids), cfg, sample_next, rng_offset, top_logprobs, grammar, session_id))
         assert isinstance(out, PrefillOutcome)
         return out
 

@@ -19,6 +19,7 @@ from specdec.grpc_util import ServerHandle, WorkTiming, abort_with, drain, start
 from specdec.logging_util import log
 from specdec.metrics import BatchMetrics, ModelServiceMetrics, export_calibration, serve_metrics
 from specdec.sampling import MAX_TOP_LOGPROBS, SamplingConfig, SparseQ, TokenLogprob
+from specdec.session_ids import check_session_id
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.batching import BatchReport, BatchScheduler
 from target_service.config import TargetServiceConfig
@@ -147,12 +148,15 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             raise InvalidArgument("token_ids must not be empty")
         if request.top_logprobs > MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
+        if request.session_id:
+            check_session_id(request.session_id)
         if self.draining:
             raise Unavailable("the target replica is shutting down; create the session on another replica")
         grammar = await self._grammar(request)
         top = int(request.top_logprobs) if request.return_logprobs else -1
         job = asyncio.ensure_future(
-            self.worker.submit(PrefillCall(ids, cfg, request.sample_next_token, int(request.rng_offset), top, grammar))
+            self.worker.submit(PrefillCall(ids, cfg, request.sample_next_token, int(request.rng_offset), top, grammar,
+                                           request.session_id))
         )
         try:
             out, t = await asyncio.shield(job)
@@ -161,6 +165,9 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             # creates as soon as it exists, so nothing leaks.
             job.add_done_callback(self._release_orphan)
             raise
+        # A caller that goes after this point (its deadline or cancel racing
+        # the reply) is not seen here: gRPC ends such a call OK on this side.
+        # It releases the id it chose instead (docs/reliability.md).
         self.metrics.observe("prefill", len(ids), t.queue_ms, t.compute_ms)
         self._gauges()
         return target_pb2.PrefillResponse(

@@ -107,3 +107,14 @@ def json_models(tmp_path_factory: pytest.TempPathFactory, onnx_cache_dir: Path) 
     target = build_tiny_model(root / "target", chars=JSON_CHARS, seed=21)
     draft = build_tiny_model(root / "draft", chars=JSON_CHARS, seed=22, base_dir=target, noise=DRAFT_NOISE)
     return JsonModels(target, draft, ensure_onnx(draft, onnx_cache_dir, "fp32", "cpu"), onnx_cache_dir)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``soak`` tests (minutes of load each) run only when ``-m`` names the
+    marker (``pytest -m soak``); a plain run skips them."""
+    if "soak" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="soak test: run with -m soak")
+    for item in items:
+        if "soak" in item.keywords:
+            item.add_marker(skip)

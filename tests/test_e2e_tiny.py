@@ -384,6 +384,34 @@ def test_draft_killed_mid_request_finishes_with_same_output(tiny_models, onnx_ca
         st.close()
 
 
+def test_an_unknown_drafter_is_refused_while_the_draft_is_down(tiny_models, onnx_cache_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """With the draft process killed, a request naming a drafter the draft
+    never hosted still gets INVALID_ARGUMENT (served target-only, a typo would
+    look valid exactly while the draft is down), in every draft mode; the
+    hosted drafter's name and the default are served target-only, unchanged."""
+    st = start_stack(tiny_models.target, tiny_models.draft, onnx_cache_dir, draft_subprocess=True,
+                     orchestrator_overrides={"draft_timeout_s": 2.0})
+    try:
+        off = st.generate(prompt="draft down", mode="off", max_new_tokens=12)["token_ids"]
+        hosted = st.orchestrator.servicer.default_drafter
+        assert hosted
+        assert st.draft_proc is not None
+        kill(st.draft_proc)
+        for draft_mode in ("unary", "stream", "run-ahead"):
+            with pytest.raises(grpc.RpcError) as e:
+                st.generate(prompt="draft down", mode="auto", drafter="no-such-drafter", draft_mode=draft_mode,
+                            max_new_tokens=12, timeout=60)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (draft_mode, e.value.details())
+            assert "no-such-drafter" in (e.value.details() or "")
+            for name in ("", hosted):
+                r = st.generate(prompt="draft down", mode="fixed", drafter=name, draft_mode=draft_mode,
+                                max_new_tokens=12, timeout=60)
+                assert r["token_ids"] == off and r["stats"].draft_tokens == 0
+        st.wait_no_sessions()
+    finally:
+        st.close()
+
+
 def test_target_session_lost_is_rebuilt(stack: Stack) -> None:
     """Evicting every target session mid-stream: the orchestrator rebuilds
     from its tokens and the output is unchanged."""

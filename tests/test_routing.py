@@ -24,7 +24,7 @@ from orchestrator.routing import (
     rendezvous_order,
     two_choices_order,
 )
-from specdec.errors import NotFound, Unavailable
+from specdec.errors import AlreadyExists, Internal, NotFound, Unavailable
 from specdec.sampling import SamplingConfig
 
 CFG = SamplingConfig()
@@ -60,7 +60,7 @@ class FakeService:
         return self.address
 
     async def prefill(self, token_ids: Any, cfg: Any, sample_next: bool, rng_offset: int, timeout: Any,
-                      options: Any = None) -> PrefillReply:
+                      options: Any = None, session_id: str = "") -> PrefillReply:  # ignores the id, as an older target
         self._call("prefill")
         return PrefillReply(self._new(), 1, 0.0, len(token_ids), 0.0)
 
@@ -70,7 +70,8 @@ class FakeService:
         self._known(sid)
         return VerifyReply(0, 1, cache_len + len(new_ids), [0.0], 0.0, 0.0)
 
-    async def create(self, cfg: Any, drafter: str, timeout: Any, rng_offset: int = 0, options: Any = None) -> str:
+    async def create(self, cfg: Any, drafter: str, timeout: Any, rng_offset: int = 0, options: Any = None,
+                     session_id: str = "") -> str:  # ignores the id, as an older draft
         self._call("create")
         return self._new()
 
@@ -218,6 +219,35 @@ def test_session_affinity_and_failover_order() -> None:
     run(go())
 
 
+def test_one_outage_seen_by_many_calls_backs_off_once() -> None:
+    """2000 calls failing inside one backoff window (streams meeting the same
+    outage, as in the chaos soak's draft kill) back the replica off once: not
+    doubled per call, which reached the 30 s cap at the fifth call and past
+    the 1025th raised OverflowError out of every request that touched the
+    replica (UNKNOWN to healthy clients). A failure after the window ends
+    doubles it, up to the cap."""
+    async def go() -> None:
+        cl = Cluster(["t0:1"], backoff_s=2.0, max_backoff_s=30.0)
+        await cl.pool.start()
+        r = cl.pool.replicas["t0:1"]
+
+        async def down(_client: Any) -> Any:
+            raise Unavailable("target: connection refused")
+
+        for _ in range(2000):
+            with pytest.raises(Unavailable):
+                await cl.pool.call(r, down)
+        assert r.down_until == cl.now + 2.0
+        for want in (4.0, 8.0, 16.0, 30.0, 30.0):
+            cl.now = r.down_until + 0.1
+            with pytest.raises(Unavailable):
+                await cl.pool.call(r, down)
+            assert r.down_until == cl.now + want
+        await cl.pool.close()
+
+    run(go())
+
+
 def test_a_replica_not_serving_gets_new_sessions_only_as_a_last_resort() -> None:
     async def go() -> None:
         cl = Cluster(["a:1", "b:1"])
@@ -278,6 +308,99 @@ def test_draft_replica_failure_reports_the_session_lost() -> None:
         assert (await bound.propose(sid2, 0, [1, 2], 2, 0.0, None)).token_ids == [1, 1]
         with pytest.raises(NotFound):  # the lost session is not routed anywhere
             await bound.propose(sid, 2, [], 3, 0.0, None)
+
+    run(go())
+
+
+class NamingService(FakeService):
+    """A replica that uses the id its caller names and then, per ``after``,
+    answers, loses the reply (``"lost"``: the session exists, the caller
+    sees UNAVAILABLE), fails with another status, or hangs until cancelled."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.after = "ok"
+        self.named: list[str] = []
+
+    async def _create(self, session_id: str) -> str:
+        self._call("create")
+        self.named.append(session_id)
+        if session_id in self.sessions:
+            raise AlreadyExists(session_id)
+        self.sessions.add(session_id)
+        if self.after == "lost":
+            raise Unavailable("connection reset before the reply (test)")
+        if self.after == "internal":
+            raise Internal("a fault after the session was made (test)")
+        if self.after == "hang":
+            await asyncio.sleep(3600)
+        return session_id
+
+    async def prefill(self, token_ids: Any, cfg: Any, sample_next: bool, rng_offset: int, timeout: Any,
+                      options: Any = None, session_id: str = "") -> PrefillReply:
+        return PrefillReply(await self._create(session_id), 1, 0.0, len(token_ids), 0.0)
+
+    async def create(self, cfg: Any, drafter: str, timeout: Any, rng_offset: int = 0, options: Any = None,
+                     session_id: str = "") -> str:
+        return await self._create(session_id)
+
+
+def test_a_failed_or_cancelled_create_releases_the_id_it_named() -> None:
+    """Each create names a fresh id; whatever way it fails (the reply lost,
+    an INTERNAL fault, the request cancelled mid-call), the replica it was
+    sent to releases that id in the background: nothing is left for the
+    TTL. ALREADY_EXISTS (the id is another session's) releases nothing."""
+
+    async def settle(pool: ReplicaPool[Any]) -> None:
+        await asyncio.wait_for(asyncio.gather(*pool._releases), 5)
+
+    async def go() -> None:
+        cl = Cluster(["t0:1", "t1:1"])
+        for a in ("t0:1", "t1:1"):
+            cl.services[a] = NamingService(a)
+        await cl.pool.start()
+        order = [r.address for r in cl.pool.target_order("req")]
+        first, second = (cl.services[a] for a in order)
+        assert isinstance(first, NamingService) and isinstance(second, NamingService)
+        # the reply is lost on the first replica: the session there is released, the second serves
+        first.after = "lost"
+        p = await RoutedTarget(cl.pool, "req").prefill([1, 2], CFG, True, 0, None)
+        await settle(cl.pool)
+        assert first.sessions == set() and first.calls["release"] == 1
+        assert second.sessions == {p.session_id} and len(p.session_id) == 32 and p.session_id != first.named[0]
+        # an INTERNAL fault after creating: not retried elsewhere, released
+        cl.now += 1000.0  # past the first replica's backoff: it is first again
+        first.after = "internal"
+        with pytest.raises(Internal):
+            await RoutedTarget(cl.pool, "req").prefill([1, 2], CFG, True, 0, None)
+        await settle(cl.pool)
+        assert first.sessions == set()
+        # the request is cancelled while its create runs
+        first.after = "hang"
+        task = asyncio.ensure_future(RoutedTarget(cl.pool, "req").prefill([1, 2], CFG, True, 0, None))
+        while len(first.named) < 3:
+            await asyncio.sleep(0.01)
+        assert first.sessions == {first.named[2]}
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await settle(cl.pool)
+        assert first.sessions == set()
+        # the same for a draft session, on whichever replica it goes to
+        second.sessions.clear()
+        first.after = second.after = "internal"
+        with pytest.raises(Internal):
+            await RoutedDraft(cl.pool, "req").create(CFG, "", None)
+        await settle(cl.pool)
+        assert first.sessions == second.sessions == set() and len(first.named + second.named) == 5
+        # an id another session holds: that session is kept
+        first.after = "ok"
+        first.sessions.add("taken")
+        with pytest.raises(AlreadyExists):
+            await cl.pool.first_create([cl.pool.replicas[first.address]],
+                                       lambda c, _sid: c.create(CFG, "", None, session_id="taken"), 2.0)
+        await settle(cl.pool)
+        assert first.sessions == {"taken"}
 
     run(go())
 

@@ -110,18 +110,20 @@ class DraftPaused(_message.Message):
     def __init__(self, position: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., commit: _Optional[int] = ...) -> None: ...
 
 class CreateDraftSessionRequest(_message.Message):
-    __slots__ = ("sampling", "drafter", "rng_offset", "grammar", "grammar_start")
+    __slots__ = ("sampling", "drafter", "rng_offset", "grammar", "grammar_start", "session_id")
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     RNG_OFFSET_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_START_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     sampling: _common_pb2.SamplingParams
     drafter: str
     rng_offset: int
     grammar: _common_pb2.Grammar
     grammar_start: int
-    def __init__(self, sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ..., rng_offset: _Optional[int] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ..., grammar_start: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[str] = ..., rng_offset: _Optional[int] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ..., grammar_start: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class CreateDraftSessionResponse(_message.Message):
     __slots__ = ("session_id", "drafter", "grammar_applied")

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("token_ids", "sampling", "sample_next_token", "rng_offset", "return_logprobs", "top_logprobs", "grammar", "grammar_start")
+    __slots__ = ("token_ids", "sampling", "sample_next_token", "rng_offset", "return_logprobs", "top_logprobs", "grammar", "grammar_start", "session_id")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class PrefillRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_START_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     sample_next_token: bool
@@ -25,7 +26,8 @@ class PrefillRequest(_message.Message):
     top_logprobs: int
     grammar: _common_pb2.Grammar
     grammar_start: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., sample_next_token: _Optional[bool] = ..., rng_offset: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ..., grammar_start: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., sample_next_token: _Optional[bool] = ..., rng_offset: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ..., grammar_start: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("session_id", "has_next_token", "next_token_id", "next_token_logit_gap", "cache_len", "timings", "next_token_logprobs", "grammar_applied", "grammar_dead_end")
