@@ -101,7 +101,14 @@ class GrpcTargetClient(_GrpcClient):
             call = self._streams[session_id] = self.stub.VerifyStream()
 
         async def exchange() -> Any:
-            await call.write(req)
+            try:
+                await call.write(req)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.INTERNAL and _CORE_WRITE_FAILURE in (e.details() or ""):
+                    # grpc's own status for a message it could not send (the
+                    # connection is gone): the target never saw this request
+                    raise Unavailable(f"{self.service}: the Verify stream's connection is gone") from None
+                raise
             reply = await call.read()
             if reply is grpc.aio.EOF:
                 raise Unavailable(f"{self.service}: the Verify stream ended without a reply")
@@ -188,6 +195,11 @@ class GrpcTargetClient(_GrpcClient):
             r.grammar_dead_end,
         )
 
+
+
+#: the details grpc aio gives a stream write that its core could not send
+#: (``grpc/aio/_call.py`` ``_write``: a lost connection, not a server's status)
+_CORE_WRITE_FAILURE = "Internal error from Core"
 
 
 def _q(d: common_pb2.SparseDistribution) -> SparseQ:

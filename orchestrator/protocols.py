@@ -9,7 +9,7 @@ implement them; tests implement them without gRPC.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from orchestrator.policy import RoundObservation
 from specdec.draft_chain import ChainPause, ChainToken
@@ -136,3 +136,45 @@ class RoundSink(Protocol):
     def on_fallback(self) -> None: ...
 
     def on_rebuild(self) -> None: ...
+
+
+# ------------------------------------------------------- routing's interfaces
+class Endpoint(Protocol):
+    """One replica's connection: the service client, a health check, close."""
+
+    client: Any
+
+    async def check(self, timeout: float) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+class RoutingEvents(Protocol):
+    """Receives routing events (the metrics path)."""
+
+    def replica_added(self, service: str, replica: Any) -> None: ...
+
+    def replica_removed(self, service: str, address: str) -> None: ...
+
+    def replicas_changed(self, service: str, available: int, unavailable: int) -> None: ...
+
+    def session_created(self, service: str, address: str) -> None: ...
+
+    def replica_failed(self, service: str, address: str, error: str) -> None: ...
+
+
+class NoEvents:
+    def replica_added(self, service: str, replica: Any) -> None:
+        pass
+
+    def replica_removed(self, service: str, address: str) -> None:
+        pass
+
+    def replicas_changed(self, service: str, available: int, unavailable: int) -> None:
+        pass
+
+    def session_created(self, service: str, address: str) -> None:
+        pass
+
+    def replica_failed(self, service: str, address: str, error: str) -> None:
+        pass

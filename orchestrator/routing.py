@@ -62,7 +62,16 @@ from orchestrator.placement import (  # noqa: F401  (re-exported: the routing AP
     bounded_load_order,
     two_choices_order,
 )
-from orchestrator.protocols import PostToken, PrefillReply, ProposeReply, SessionOptions, VerifyReply
+from orchestrator.protocols import (  # noqa: F401  (Endpoint, RoutingEvents, NoEvents: re-exported)
+    Endpoint,
+    NoEvents,
+    PostToken,
+    PrefillReply,
+    ProposeReply,
+    RoutingEvents,
+    SessionOptions,
+    VerifyReply,
+)
 from specdec.errors import AlreadyExists, NotFound, ResourceExhausted, SpecdecError, Unavailable
 from specdec.logging_util import log
 from specdec.sampling import SamplingConfig, SparseQ
@@ -74,47 +83,6 @@ C = TypeVar("C")
 T = TypeVar("T")
 
 # ------------------------------------------------------------------- replicas
-class Endpoint(Protocol):
-    """One replica's connection: the service client, a health check, close."""
-
-    client: Any
-
-    async def check(self, timeout: float) -> bool: ...
-
-    async def close(self) -> None: ...
-
-
-class RoutingEvents(Protocol):
-    """Receives routing events (the metrics path)."""
-
-    def replica_added(self, service: str, replica: "Replica[Any]") -> None: ...
-
-    def replica_removed(self, service: str, address: str) -> None: ...
-
-    def replicas_changed(self, service: str, available: int, unavailable: int) -> None: ...
-
-    def session_created(self, service: str, address: str) -> None: ...
-
-    def replica_failed(self, service: str, address: str, error: str) -> None: ...
-
-
-class NoEvents:
-    def replica_added(self, service: str, replica: "Replica[Any]") -> None:
-        pass
-
-    def replica_removed(self, service: str, address: str) -> None:
-        pass
-
-    def replicas_changed(self, service: str, available: int, unavailable: int) -> None:
-        pass
-
-    def session_created(self, service: str, address: str) -> None:
-        pass
-
-    def replica_failed(self, service: str, address: str, error: str) -> None:
-        pass
-
-
 @dataclass(eq=False)
 class Replica(Generic[C]):
     address: str

@@ -58,6 +58,7 @@ def test_chaos_soak_short(soak: ModuleType, tiny_models, onnx_cache_dir: Path, t
 
 
 @pytest.mark.soak
+@pytest.mark.long
 def test_chaos_soak_five_minutes(soak: ModuleType, tiny_models, onnx_cache_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     rc, rep = run_soak(soak, tmp_path / "soak", tiny_models, onnx_cache_dir)
     assert_soak(rc, rep, {"draft", "target-a"})
