@@ -42,6 +42,9 @@ def add_speculation_arguments(p: argparse._ActionsContainer) -> FlagSet:
                "cores or machines; docs/architecture.md, docs/benchmarks.md)")
     f.add("run-ahead-tokens", type=int, default=8,
           help="run-ahead: at most this many tokens drafted past the round's span (and at most γ + 1)")
+    f.add("decode-ahead", type=int, default=16,
+          help="OFF (no drafter): the target decodes up to this many plain steps ahead on its Verify stream, "
+               "overlapping each token's round trip with the next step (the same tokens); 0 = off")
     f.add("target-verify-stream", default="on", choices=["on", "off"],
           help="Verify over one stream per session instead of a unary call per round (same answers, "
                "less per-round overhead; a target without the stream method gets unary calls)")
@@ -57,6 +60,8 @@ def check_speculation_args(a: argparse.Namespace) -> None:
         raise cli_error("--speculation-max-streams must be -1 (auto), 0 (unlimited) or a positive count")
     if not 0.0 <= a.confidence_stop_scale <= 100.0:
         raise cli_error(f"--confidence-stop-scale must be in [0, 100], got {a.confidence_stop_scale}")
+    if not 0 <= a.decode_ahead <= 64:
+        raise cli_error("--decode-ahead must be in [0, 64]")
     if a.run_ahead_tokens < 1:
         raise cli_error("--run-ahead-tokens must be at least 1")
 
@@ -118,7 +123,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> OrchestratorConfig:
         metrics_host=a.metrics_host, min_confidence=a.min_confidence, health_port=a.health_port,
         confidence_stop_scale=a.confidence_stop_scale,
         speculation_max_streams=a.speculation_max_streams,
-        draft_mode=a.draft_mode, run_ahead_tokens=a.run_ahead_tokens,
+        draft_mode=a.draft_mode, run_ahead_tokens=a.run_ahead_tokens, decode_ahead=a.decode_ahead,
         target_verify_stream=a.target_verify_stream == "on",
         draft_batch_events=a.draft_batch_events == "on",
         routing=RoutingConfig(discovery_interval_s=a.discovery_interval, backoff_s=a.replica_backoff,

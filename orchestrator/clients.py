@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import grpc
 import numpy as np
@@ -67,7 +67,17 @@ class GrpcTargetClient(_GrpcClient):
     calls go over one ``VerifyStream`` call (opened at the session's first
     verify, closed by ``release`` or by the first error, which ends it on the
     server too); a target without that method (UNIMPLEMENTED) is called with
-    unary Verify from then on."""
+    unary Verify from then on.
+
+    Decode-ahead (``verify(..., ahead=n)``, streams only): a plain round asks
+    the target to go on decoding n more plain steps by itself
+    (VerifyRequest.decode_ahead); the replies arrive on the stream while the
+    caller is still handling the previous token. A later plain round that
+    continues exactly where the last reply left off (its cache length, its
+    next token as the one new token) takes the next reply off the stream
+    instead of sending a request: the same reply the request would have got,
+    without its round trip. A round that asks anything else first drops the
+    stream (the target's run stops with it)."""
 
     service = "target"
 
@@ -75,12 +85,15 @@ class GrpcTargetClient(_GrpcClient):
         super().__init__(target_pb2_grpc.TargetStub(channel))
         self.verify_stream = verify_stream
         self._streams: dict[str, Any] = {}  # session id -> its open VerifyStream call
+        # session id -> (cache_len, next token) the decode-ahead run on its stream continues from
+        self._ahead: dict[str, tuple[int, int]] = {}
 
     @property
     def open_streams(self) -> int:
         return len(self._streams)
 
     def _close_stream(self, session_id: str) -> None:
+        self._ahead.pop(session_id, None)
         call = self._streams.pop(session_id, None)
         if call is not None:
             call.cancel()
@@ -93,16 +106,21 @@ class GrpcTargetClient(_GrpcClient):
         task = asyncio.ensure_future(self.release(session_id, 5.0))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    async def _verify_rpc(self, session_id: str, req: target_pb2.VerifyRequest, timeout: float | None) -> Any:
+    async def _verify_rpc(self, session_id: str, req: target_pb2.VerifyRequest | None, timeout: float | None) -> Any:
+        """One Verify exchange; ``req`` None: the next decode-ahead reply
+        already on its way (nothing is sent)."""
         if not self.verify_stream:
+            assert req is not None
             return await self._rpc("Verify", req, timeout)
         call = self._streams.get(session_id)
         if call is None:
+            assert req is not None
             call = self._streams[session_id] = self.stub.VerifyStream()
 
         async def exchange() -> Any:
             try:
-                await call.write(req)
+                if req is not None:
+                    await call.write(req)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INTERNAL and _CORE_WRITE_FAILURE in (e.details() or ""):
                     # grpc's own status for a message it could not send (the
@@ -119,7 +137,7 @@ class GrpcTargetClient(_GrpcClient):
         except BaseException as e:
             self._close_stream(session_id)  # after any failure, cancellation included, its state is unknown
             if isinstance(e, grpc.RpcError):
-                if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older target: unary from now on
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED and req is not None:  # an older target: unary now on
                     self.verify_stream = False
                     return await self._rpc("Verify", req, timeout)
                 raise from_rpc_error(e, self.service) from None
@@ -165,21 +183,37 @@ class GrpcTargetClient(_GrpcClient):
         q: Sequence[SparseQ],
         timeout: float | None,
         post: PostToken | None = None,
+        ahead: int = 0,
+        stop_ids: Collection[int] = (),
     ) -> VerifyReply:
-        req = target_pb2.VerifyRequest(
-            session_id=session_id,
-            cache_len=cache_len,
-            new_token_ids=new_ids,
-            draft_token_ids=draft_ids,
-            draft_probs=[common_pb2.SparseDistribution(token_ids=ids.tolist(), probs=p.tolist()) for ids, p in q],
-        )
-        if post is not None:
-            req.has_post_token = True
-            req.post_token_id = post[0]
-            if post[1] is not None:
-                req.post_prob.token_ids.extend(post[1][0].tolist())
-                req.post_prob.probs.extend(post[1][1].tolist())
+        """``ahead``/``stop_ids``: decode-ahead for a plain round (see the
+        class); ignored for a round with a drafted span or without a stream."""
+        plain = not draft_ids and post is None
+        pending = self._ahead.pop(session_id, None)
+        req: target_pb2.VerifyRequest | None = None
+        if pending is not None and not (plain and pending == (cache_len, *new_ids)):
+            self._close_stream(session_id)  # the run ahead is not what this round asks: stop it
+            pending = None
+        if pending is None:
+            req = target_pb2.VerifyRequest(
+                session_id=session_id,
+                cache_len=cache_len,
+                new_token_ids=new_ids,
+                draft_token_ids=draft_ids,
+                draft_probs=[common_pb2.SparseDistribution(token_ids=ids.tolist(), probs=p.tolist()) for ids, p in q],
+            )
+            if post is not None:
+                req.has_post_token = True
+                req.post_token_id = post[0]
+                if post[1] is not None:
+                    req.post_prob.token_ids.extend(post[1][0].tolist())
+                    req.post_prob.probs.extend(post[1][1].tolist())
+            if plain and ahead > 0 and self.verify_stream:
+                req.decode_ahead = ahead
+                req.stop_token_ids.extend(sorted(stop_ids))
         r = await self._verify_rpc(session_id, req, timeout)
+        if r.ahead_left and self.verify_stream:
+            self._ahead[session_id] = (r.cache_len, r.next_token_id)
         return VerifyReply(
             r.num_accepted,
             r.next_token_id,

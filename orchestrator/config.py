@@ -56,6 +56,11 @@ class OrchestratorConfig:
     # measured fastest with draft and target on shared cores (docs/benchmarks.md)
     draft_mode: str = "unary"
     run_ahead_tokens: int = 8  # run-ahead: tokens the draft may draft past the round's span
+    # Decode-ahead: a request decoding without a drafter (OFF) lets the target
+    # run up to this many plain steps ahead on its Verify stream, so a token's
+    # round trip overlaps the next step (the same tokens; docs/design.md).
+    # 0 = off. Wasted steps at a stop string or a cancel: at most this many.
+    decode_ahead: int = 16
     target_timeout_s: float = 120.0  # one Verify/Prefill call (bounded by the client deadline)
     # Verify over one VerifyStream call per session instead of a unary call per
     # round (same answers; saves a call's set-up each round, docs/benchmarks.md);

@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator
 import numpy as np
 
 from orchestrator.policy import DraftLengthPolicy, RoundObservation
+from orchestrator.request_stats import RequestStats
 from orchestrator.protocols import (
     DraftClient, DraftStream, PostToken, ProposeReply, RoundSink, SessionOptions, TargetClient, VerifyReply,
 )
@@ -39,46 +40,6 @@ MAX_REBUILDS_PER_ROUND = 2  # target session rebuilds (another replica each) bef
 
 class UnknownDrafter(InvalidArgument):
     """The request named a drafter the draft service does not host."""
-
-
-# --------------------------------------------------------------------- stats
-@dataclass
-class RequestStats:
-    prompt_tokens: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    rounds: int = 0
-    committed_in_rounds: int = 0
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
-    prefill_ms: float = 0.0  # the part of verify_ms that prefilled prompts (and rebuilds)
-    rtt_ms: float = 0.0  # RPC wall time minus server compute, summed
-    draft_failures: int = 0
-    target_rebuilds: int = 0
-    gamma_trajectory: list[int] = field(default_factory=list)
-    accepted_per_round: list[int] = field(default_factory=list)
-    draft_mode: str = "unary"
-    draft_hidden_ms: float = 0.0  # draft compute of verified spans that ran while the target verified
-    post_verified: int = 0  # rounds whose next token was a run-ahead token post-verified and accepted
-    round_overhead_ms: list[float] = field(default_factory=list)  # per round: wall - target - exposed draft compute
-    started: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-
-    @property
-    def mean_accepted_length(self) -> float:
-        return self.committed_in_rounds / self.rounds if self.rounds else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-    @property
-    def round_overhead_p50_ms(self) -> float:
-        return float(np.median(self.round_overhead_ms)) if self.round_overhead_ms else 0.0
-
-    @property
-    def round_overhead_p99_ms(self) -> float:
-        return float(np.percentile(self.round_overhead_ms, 99)) if self.round_overhead_ms else 0.0
 
 
 @dataclass(frozen=True)
@@ -116,6 +77,10 @@ class DecodeParams:
     # run_ahead_tokens past the span while the target verifies it
     draft_mode: str = "unary"
     run_ahead_tokens: int = 8
+    # decode-ahead: a round without a drafter (OFF, or the draft turned off)
+    # lets the target run this many plain steps ahead on its Verify stream
+    decode_ahead: int = 0
+    stop_token_ids: frozenset[int] = frozenset()  # ... which it ends after one of these (EOS)
     options: SessionOptions = field(default_factory=SessionOptions)  # kept by the target session (logprobs, grammar)
     draft_options: SessionOptions = field(default_factory=SessionOptions)  # kept by the draft session (grammar)
 
@@ -266,6 +231,15 @@ class Decoder:
         gamma = min(self.p.policy.next_gamma(), remaining - 1)
         return gamma, (self.p.min_confidence or self.p.policy.stop_confidence()) if gamma > 0 else 0.0
 
+    def _ahead(self) -> int:
+        """Plain rounds after this plain one that the target may decode ahead:
+        all of them without a drafter, else those the policy commits to."""
+        room = min(self.p.decode_ahead, self.p.max_new_tokens - self.generated - 1)
+        if room <= 0 or self.draft is None:
+            return max(0, room)
+        commit = getattr(self.p.policy, "commit_plain_rounds", None)
+        return int(commit(room)) if commit is not None and self.stats.rounds >= self.draft_down_until_round else 0
+
     def _drafting(self, gamma: int) -> bool:
         return gamma > 0 and self.draft is not None and self.stats.rounds >= self.draft_down_until_round
 
@@ -324,7 +298,7 @@ class Decoder:
             tokens_in_pass = len(self.committed) - self.target_cache_len + len(draft_ids)
             t0 = time.perf_counter()
             empty = proposal is not None and not draft_ids  # the drafter had nothing to propose
-            verified, draft_ids = await self._verify(draft_ids, q, post)
+            verified, draft_ids = await self._verify(draft_ids, q, post, self._ahead() if proposal is None else 0)
             if not draft_ids and not empty:
                 proposal = None  # the target refused the draft's part: this round ran target-only
             done = time.perf_counter()
@@ -495,7 +469,7 @@ class Decoder:
             self._background(stream.close())
 
     async def _verify(
-        self, draft_ids: list[int], q: list[SparseQ], post: PostToken | None = None
+        self, draft_ids: list[int], q: list[SparseQ], post: PostToken | None = None, ahead: int = 0
     ) -> tuple[VerifyReply, list[int]]:
         """Verifies the round; returns the reply and the drafted ids it
         verified (empty when the target refused the draft's part).
@@ -520,6 +494,7 @@ class Decoder:
                     q,
                     self._timeout(self.p.target_timeout_s),
                     post,
+                    **({"ahead": ahead, "stop_ids": self.p.stop_token_ids} if ahead > 0 else {}),
                 )
             except InvalidArgument as e:
                 if not draft_ids:

@@ -282,6 +282,7 @@ class AdaptivePolicy:
         self._level_acc = 0.0  # tokens accepted by this request
         self._level_expected = 0.0  # tokens the shared estimates predicted for the same rounds
         self._zero_rounds = 0
+        self._committed = 0  # plain rounds still committed to (commit_plain_rounds)
         self._probe_every = self.cfg.probe_every
         self._spec_rounds = 0
         self.last_scores: dict[int, float] = {}
@@ -373,7 +374,23 @@ class AdaptivePolicy:
         return {g: expected_tokens(alphas, g) / max(self.round_ms(g), 1e-6) for g in range(self.cfg.gamma_max + 1)}
 
     # ---------------------------------------------------------------- policy
+    def commit_plain_rounds(self, limit: int) -> int:
+        """After a round chosen as plain decoding (γ = 0, not a probe): the
+        next rounds up to the next probe will be plain too, unless the cost
+        estimates move (plain rounds teach nothing about acceptance). Commits
+        to at most ``limit`` of them, so that the target may decode them
+        ahead (orchestrator decode-ahead), and returns how many."""
+        if self._probing or self._zero_rounds == 0 or self._committed:
+            return 0
+        self._committed = max(0, min(int(limit), self._probe_every - self._zero_rounds - 1))
+        return self._committed
+
     def next_gamma(self) -> int:
+        if self._committed:  # a plain round committed to by commit_plain_rounds
+            self._committed -= 1
+            self._zero_rounds += 1
+            self._probing = False
+            return 0
         if self.allow is not None and not self.allow():
             return 0
         scores = self.scores(sample=self.cfg.thompson)

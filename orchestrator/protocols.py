@@ -9,7 +9,7 @@ implement them; tests implement them without gRPC.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Collection, Protocol, Sequence
 
 from orchestrator.policy import RoundObservation
 from specdec.draft_chain import ChainPause, ChainToken
@@ -85,6 +85,8 @@ class TargetClient(Protocol):
         q: Sequence[SparseQ],
         timeout: float | None,
         post: PostToken | None = None,
+        ahead: int = 0,  # decode-ahead: a plain round asks for this many more plain steps (orchestrator/clients.py)
+        stop_ids: Collection[int] = (),  # ... which end after one of these tokens
     ) -> VerifyReply: ...
 
     async def release(self, session_id: str, timeout: float | None) -> None: ...

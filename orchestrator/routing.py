@@ -47,7 +47,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Generic, Protocol, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Collection, Generic, Protocol, Sequence, TypeVar
 
 from orchestrator.config import RoutingConfig
 from orchestrator.placement import (  # noqa: F401  (re-exported: the routing API)
@@ -463,11 +463,14 @@ class RoutedTarget(_Bound[Any]):
         q: Sequence[SparseQ],
         timeout: float | None,
         post: PostToken | None = None,
+        ahead: int = 0,
+        stop_ids: Collection[int] = (),
     ) -> VerifyReply:
         r = self._replica(session_id)
+        extra: dict[str, Any] = {"ahead": ahead, "stop_ids": stop_ids} if ahead else {}
         try:
             return await self.pool.call(
-                r, lambda c: c.verify(session_id, cache_len, new_ids, draft_ids, q, timeout, post)
+                r, lambda c: c.verify(session_id, cache_len, new_ids, draft_ids, q, timeout, post, **extra)
             )
         except NotFound:
             self._dropped(session_id)  # the cache is gone with it; the caller rebuilds

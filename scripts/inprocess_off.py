@@ -48,7 +48,8 @@ def main() -> int:
 
     resolved = resolve(a.model, default_cache_dir())
     tok = AutoTokenizer.from_pretrained(str(resolved.hf_dir))
-    engine = TargetEngine(resolved.hf_dir, dtype=a.dtype, backend=a.backend, model_name=resolved.name)
+    engine = TargetEngine(resolved.hf_dir, dtype=a.dtype, backend=a.backend, model_name=resolved.name,
+                          gguf_path=resolved.gguf_path)
     client = None
     if a.services:
         from specdec_app.client import Client

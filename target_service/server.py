@@ -31,6 +31,10 @@ from target_service.loading import pick_device, set_threads
 
 logger = logging.getLogger("specdec.target")
 
+#: VerifyRequest.decode_ahead is capped here: at most this many steps are run
+#: for a caller that may stop reading (its stop strings, a cancel)
+MAX_DECODE_AHEAD = 64
+
 
 def _timings(t: WorkTiming) -> common_pb2.Timings:
     return common_pb2.Timings(
@@ -94,6 +98,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         self._evictions_seen = 0
         self.draining = False  # set on SIGTERM: no new sessions, existing ones are served
         self.verify_streams = 0  # VerifyStream calls opened (each serves one session's rounds)
+        self.ahead_steps = 0  # decode-ahead steps run (VerifyRequest.decode_ahead)
 
     def attach(self, engine: TargetEngine, tokenizer_fingerprint: str, calibration: CalibrationResult | None = None) -> None:
         self._engine = engine
@@ -211,7 +216,20 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         self.verify_streams += 1
         try:
             async for request in request_iterator:  # an unparsable message raises InvalidArgument here
-                yield await self._verify(request)
+                reply = await self._verify(request)
+                ahead = 0 if request.draft_token_ids or request.has_post_token else min(int(request.decode_ahead),
+                                                                                       MAX_DECODE_AHEAD)
+                stops = frozenset(request.stop_token_ids)
+                while True:  # decode-ahead: the plain steps the caller would ask for next, without asking
+                    more = ahead > 0 and not reply.grammar_dead_end and reply.next_token_id not in stops
+                    reply.ahead_left = ahead if more else 0
+                    yield reply
+                    if not more:
+                        break
+                    ahead -= 1
+                    self.ahead_steps += 1
+                    reply = await self._verify(target_pb2.VerifyRequest(
+                        session_id=request.session_id, cache_len=reply.cache_len, new_token_ids=[reply.next_token_id]))
         except Exception as e:
             await abort_with(context, e, "VerifyStream")
 

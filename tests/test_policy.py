@@ -530,3 +530,43 @@ def test_an_empty_span_counts_as_a_miss_so_a_drafter_is_priced_by_its_hit_rate()
     often, often_gammas = _run_sometimes_empty_drafter(0.9)
     assert 0.65 < often.alphas()[0] < 0.9
     assert sum(g > 0 for g in often_gammas[-100:]) >= 90
+
+
+# ------------------------------------------------ plain rounds decoded ahead
+def test_committed_plain_rounds_are_the_rounds_the_policy_would_have_chosen() -> None:
+    """AUTO at a prose-like α stays at γ = 0 between probes. Committing, after
+    each plain round, to the plain rounds up to the next probe (so the target
+    can decode them ahead) leaves the sequence of choices exactly as it is
+    without committing: the probes come at the same rounds. Negative control:
+    committing one round more than offered moves a probe."""
+    def choices(commit: bool, extra: int = 0) -> list[int]:
+        policy = _policy_with_alpha(0.2)
+        out: list[int] = []
+        pending = 0
+        while len(out) < 120:
+            g = policy.next_gamma()
+            out.append(g)
+            if pending:
+                pending -= 1
+                assert g == 0
+                continue
+            if commit and g == 0:
+                pending = policy.commit_plain_rounds(100)
+                if extra and pending:
+                    policy._committed += extra  # type: ignore[attr-defined]
+                    pending += extra
+        return out
+
+    plain = choices(False)
+    assert 0 < sum(g > 0 for g in plain) < 10  # a few probes in 120 rounds
+    assert choices(True) == plain
+    assert choices(True, extra=1) != plain
+    policy = _policy_with_alpha(0.2)
+    assert policy.next_gamma() == 0 and policy.commit_plain_rounds(3) == 3  # capped by the caller's limit
+    assert policy.commit_plain_rounds(3) == 0  # nothing more while committed
+
+
+def test_a_speculating_policy_commits_to_nothing() -> None:
+    policy = _policy_with_alpha(0.95)
+    assert policy.next_gamma() > 0
+    assert policy.commit_plain_rounds(100) == 0
