@@ -18,6 +18,14 @@ interface as :class:`specdec.grpc_util.ModelWorker`.
 
 With ``max_batch_size = 1`` every call gets its own forward pass: the
 unbatched service.
+
+Fair scheduling of long work: the runner may answer a call with
+:class:`Requeue` (a chunked prefill's next chunk, target_service/engine.py).
+The job then goes to the back of the queue with that call, behind every call
+that queued while its part ran, so other sessions' verify rounds are served
+between two chunks of one prompt. Its caller's future is resolved only by
+its last part; a part whose caller went away is still run (the runner sees
+it abandoned and frees what it holds).
 """
 
 from __future__ import annotations
@@ -118,6 +126,15 @@ def admissible_prefix(calls: Sequence[BatchCall], limits: BatchLimits) -> int:
     return rows
 
 
+@dataclass(frozen=True)
+class Requeue:
+    """A runner's answer for a call that is not finished: ``call`` is its
+    next part, queued behind the work that arrived meanwhile. A part may
+    define ``abandon()``: called when its caller is gone."""
+
+    call: Any
+
+
 @dataclass
 class _Job(Generic[T]):
     future: asyncio.Future[Any]
@@ -127,6 +144,8 @@ class _Job(Generic[T]):
     call: Any = None  # a batched call, or
     fn: Callable[..., T] | None = None  # an exclusive job
     args: tuple[Any, ...] = ()
+    compute_s: float = 0.0  # forward time of the parts already run (a requeued call)
+    parts: int = 0  # parts run so far (0 = a fresh call)
 
 
 @dataclass(frozen=True)
@@ -246,7 +265,12 @@ class BatchScheduler:
                 if self._closed:
                     return None
                 batch = [self._queue.popleft() for _ in range(n)]
-                live = [j for j in batch if not j.future.cancelled()]
+                for j in batch:  # a part whose caller is gone still runs: the runner frees what it holds
+                    if j.parts and j.future.cancelled():
+                        abandon = getattr(j.call, "abandon", None)
+                        if abandon is not None:
+                            abandon()
+                live = [j for j in batch if j.parts or not j.future.cancelled()]
                 self._pending -= len(batch) - len(live)
                 if live:
                     return live
@@ -293,7 +317,16 @@ class BatchScheduler:
                 logger.exception("batch runner failed")
                 outs = [(e, None)] * len(jobs)
             ended = time.perf_counter()
+            done: list[tuple[_Job[Any], Any, _Info | None]] = []
             with self._cond:
+                for j, (out, info) in zip(jobs, outs):
+                    if isinstance(out, Requeue):  # its next part waits behind what queued meanwhile
+                        j.call, j.parts = out.call, j.parts + 1
+                        j.compute_s += ended - started
+                        self._queue.append(j)
+                        self._cond.notify()
+                    else:
+                        done.append((j, out, info))
                 for out, _ in outs:  # sessions a prefill just created are peers from now on
                     sid = getattr(out, "session_id", "")
                     if isinstance(sid, str) and sid:
@@ -304,16 +337,16 @@ class BatchScheduler:
             if self.on_batch is not None:
                 for info in infos.values():
                     self.on_batch(BatchReport(info.batch_size, info.batch_tokens, max(0, depth)))
-            self._finish([(j, out, info) for j, (out, info) in zip(jobs, outs)], started)
+            self._finish(done, started)
 
     def _finish(self, done: list[tuple[_Job[Any], Any, _Info | None]], started: float) -> None:
         ended = time.perf_counter()
         with self._cond:
             self._pending -= len(done)
         for job, result, info in done:
-            timing = WorkTiming(
-                (started - job.submitted) * 1e3,
-                (ended - started) * 1e3,
+            timing = WorkTiming(  # a requeued call: queue time is its wall time less all its parts' compute
+                (started - job.submitted - job.compute_s) * 1e3,
+                (ended - started + job.compute_s) * 1e3,
                 job.depth,
                 batch_size=info.batch_size if info is not None else 1,
                 batch_tokens=info.batch_tokens if info is not None else 0,

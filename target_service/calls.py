@@ -5,8 +5,9 @@ engine returns for it, and the forward pass that served it. Plain data.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
 from specdec.grammar import GrammarState
 from specdec.sampling import SamplingConfig, SparseQ, TokenLogprob, VerifyResult
@@ -45,6 +46,9 @@ class PrefillCall:
     # the id the caller chose for the new session ("" = the engine picks one);
     # not ``session_id``, which the batch scheduler reads as an existing session's
     requested_id: str = ""
+    # set by the servicer when the caller is gone (cancel, deadline): a prefill
+    # still queued, or running in chunks, stops at its next chunk
+    cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
 
     session_id = ""  # a new session: never collides with another call in a batch
 
@@ -80,7 +84,36 @@ class VerifyCall:
         return len(self.new_ids) + len(self.draft_ids)
 
 
-Call = Union[PrefillCall, VerifyCall]
+@dataclass(frozen=True)
+class PrefillChunk:
+    """The next part of a prefill that runs in chunks (``prefill_chunk_tokens``):
+    the engine answers a chunk that is not the last with
+    :class:`target_service.batching.Requeue` of this, and the scheduler puts
+    it at the back of its queue, behind the calls that queued meanwhile."""
+
+    call: PrefillCall
+    sess: Any  # the engine's TargetSession being filled (not in the session table until its last chunk)
+    done: int  # prompt tokens already in its cache
+    chunk: int  # prompt tokens per forward
+
+    @property
+    def session_id(self) -> str:
+        return str(self.sess.session_id)
+
+    @property
+    def past_len(self) -> int:
+        return self.done
+
+    @property
+    def num_tokens(self) -> int:
+        return min(self.chunk, len(self.call.token_ids) - self.done)
+
+    def abandon(self) -> None:
+        """The scheduler's caller is gone: the next chunk stops and frees the reservation."""
+        self.call.cancel.set()
+
+
+Call = Union[PrefillCall, VerifyCall, PrefillChunk]
 Outcome = Union[PrefillOutcome, VerifyOutcome]
 
 

@@ -42,7 +42,12 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "") -> FlagSet:
     f.add("device", dest="target_device", default="auto", help="auto | cpu | cuda | cuda:N")
     f.add("threads", dest="target_threads", type=int, default=0, help="torch CPU threads (0 = all)")
     f.add("kv-budget-tokens", dest="target_kv_budget", type=int, default=65_536,
-          help="target: tokens held in KV caches (LRU eviction past it)")
+          help="target: tokens held in KV caches (LRU eviction of idle sessions past it)")
+    f.add("kv-budget-bytes", dest="target_kv_budget_bytes", type=int, default=0,
+          help="target: the KV budget in bytes (K+V of all layers); > 0 replaces --kv-budget-tokens")
+    f.add("prefill-chunk-tokens", dest="target_prefill_chunk", type=int, default=256,
+          help="target: prompts longer than this are prefilled this many tokens per forward pass, "
+               "other sessions' verify rounds running between the chunks (0 = one pass per prompt)")
     f.add("max-batch-size", dest="max_batch_size", type=int, default=16,
           help="target: calls from different sessions per forward pass (1 = unbatched)")
     f.add("batch-window-ms", dest="batch_window_ms", type=float, default=2.0,
@@ -70,7 +75,8 @@ _FIELD_DESTS = {"max_sessions": "target_max_sessions", "session_ttl_s": "target_
                 "kv_protect_active_s": "target_kv_protect", "max_span": "target_max_span",
                 "max_batch_size": "max_batch_size", "max_batch_tokens": "max_batch_tokens",
                 "max_batch_kv_tokens": "target_kv_budget", "batch_window_ms": "batch_window_ms",
-                "regroup_ms": "batch_regroup_ms"}
+                "regroup_ms": "batch_regroup_ms", "kv_budget_tokens": "target_kv_budget",
+                "kv_budget_bytes": "target_kv_budget_bytes", "prefill_chunk_tokens": "target_prefill_chunk"}
 
 
 def config_from_args(a: argparse.Namespace, port: int) -> TargetServiceConfig:
@@ -80,6 +86,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> TargetServiceConfig:
         model=a.target_model, host=a.host, port=port, dtype=a.target_dtype, device=a.target_device,
         backend=a.target_backend, gguf=a.target_gguf, calibrate=a.target_calibrate == "on",
         threads=a.target_threads, cache_dir=a.cache_dir, kv_budget_tokens=a.target_kv_budget,
+        kv_budget_bytes=a.target_kv_budget_bytes, prefill_chunk_tokens=a.target_prefill_chunk,
         metrics_port=a.metrics_port, metrics_host=a.metrics_host, health_port=a.health_port,
         tls=server_tls(a),
         max_batch_size=a.max_batch_size, batch_window_ms=a.batch_window_ms, batch_regroup_ms=a.batch_regroup_ms,

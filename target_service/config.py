@@ -31,6 +31,12 @@ class TargetServiceConfig:
     cache_dir: Path | None = None  # model cache; None = specdec.models.default_cache_dir()
     max_sessions: int = 64
     kv_budget_tokens: int = 65_536  # total tokens held in KV caches; LRU eviction past it
+    # the same budget in bytes (K+V over all layers); > 0 replaces kv_budget_tokens
+    kv_budget_bytes: int = 0
+    # prompts longer than this are prefilled this many tokens per forward, with
+    # other sessions' verify rounds between the chunks (0 = one forward per prompt;
+    # docs/design.md, "Chunked prefill", says why 256)
+    prefill_chunk_tokens: int = 256
     # a new session never evicts one used within this many seconds; it gets
     # RESOURCE_EXHAUSTED instead (admission control; 0 = plain LRU eviction)
     kv_protect_active_s: float = 10.0
@@ -62,6 +68,11 @@ class TargetServiceConfig:
             raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
         if not self.kv_protect_active_s >= 0:
             raise ValueError(f"kv_protect_active_s must be >= 0, got {self.kv_protect_active_s}")
+        if self.kv_budget_tokens < 1 or self.kv_budget_bytes < 0:
+            raise ValueError(f"kv_budget_tokens must be >= 1 and kv_budget_bytes >= 0, got "
+                             f"{self.kv_budget_tokens} and {self.kv_budget_bytes}")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens must be >= 0 (0 = off), got {self.prefill_chunk_tokens}")
         if not 1 <= self.max_span <= 1024:
             raise ValueError(f"max_span must be in [1, 1024], got {self.max_span}")
         self.batch_limits()

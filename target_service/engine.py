@@ -3,6 +3,9 @@ prefill, exact span verification and rollback. Plain Python, no gRPC. The
 calls it serves are in target_service/calls.py, model loading in
 target_service/loading.py.
 
+The session table, KV budget, admission and eviction live in
+target_service/kv_manager.py (``engine.kv``).
+
 Every public method runs on the model worker thread (see
 ``specdec.grpc_util.ModelWorker``), so sessions are never mutated
 concurrently; the servicer only validates and dispatches. The exceptions are
@@ -11,24 +14,28 @@ drop entries from the session table under its lock, so the servicer calls
 them from the event loop (a Release must not wait behind, or be refused by,
 a full model queue); a batch running with a released session finishes on
 its own reference to it.
+
+Chunked prefill (``prefill_chunk_tokens`` > 0): a longer prompt is prefilled
+that many tokens per forward, all into its one session cache. The first chunk
+admits the session and reserves the whole prompt in the KV budget; each chunk
+but the last answers ``Requeue`` of the next ``PrefillChunk``, which the
+scheduler queues behind the calls that arrived meanwhile; the last one's
+logits give the next token. A cancelled caller, or a Release of the id, stops
+it at its next chunk and frees the reservation.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import math
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Collection, Sequence
+from typing import Sequence, Union
 
-import numpy as np
 import torch
 
-from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError
+from specdec.errors import Cancelled, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError
 from specdec.logging_util import log
 from specdec.sampling import (
     SamplingConfig,
@@ -42,12 +49,16 @@ from specdec.sampling import (
     session_generator,
     token_logprobs,
 )
-from specdec.session_ids import Tombstones, new_session_id
+from specdec.session_ids import new_session_id
 from specdec.tokenization import eos_token_ids
-from specdec.validation import check_token_id, check_token_ids
+from specdec.validation import check_token_ids
 from specdec.grammar import GrammarState, LazyGrammarCompiler
-from target_service.calls import Call, ForwardInfo, Outcome, PrefillCall, PrefillOutcome, VerifyCall, VerifyOutcome
+from target_service.batching import Requeue
+from target_service.calls import (Call, ForwardInfo, Outcome, PrefillCall, PrefillChunk, PrefillOutcome, VerifyCall,
+                                  VerifyOutcome)
 from target_service import kv_adapter as kv
+from target_service.kv_manager import KVManager, kv_bytes_per_token
+from target_service import checks
 from target_service.constrained import mask_rows
 from target_service.loading import load_model, output_vocab_size, parse_dtype, pick_device, set_threads
 
@@ -73,6 +84,7 @@ class _Row:
     ids: list[int]  # tokens this forward appends to the session's cache
     keep: int  # logits rows needed (the last ``keep`` positions of ``ids``)
     past: int  # tokens already in the session's cache
+    chunked: bool = False  # a part of a prefill in chunks (its prompt is reserved in the KV manager)
 
 
 class TargetEngine:
@@ -87,7 +99,9 @@ class TargetEngine:
         threads: int = 0,
         max_sessions: int = 64,
         kv_budget_tokens: int = 65_536,
+        kv_budget_bytes: int = 0,
         protect_active_s: float = 10.0,
+        prefill_chunk_tokens: int = 0,
         max_context_tokens: int = 0,
         max_span: int = 32,
         max_draft_support: int = 4096,
@@ -99,7 +113,10 @@ class TargetEngine:
         """``model``: an already loaded and converted model for (dtype,
         backend) on ``device`` (start-up calibration hands over the one it
         measured last); None loads it from ``hf_dir`` (and, for the
-        quantized backends, its linear layers from ``gguf_path``)."""
+        quantized backends, its linear layers from ``gguf_path``).
+        ``kv_budget_bytes`` > 0 replaces ``kv_budget_tokens`` (see
+        target_service/kv_manager.py); ``prefill_chunk_tokens`` 0 = every
+        prompt in one forward."""
         self.device = pick_device(device)
         self.dtype = parse_dtype(dtype)
         self.backend = backend
@@ -112,12 +129,16 @@ class TargetEngine:
         self.vocab_size = output_vocab_size(self.model)
         model_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 32_768)
         self.max_context = min(model_ctx, max_context_tokens) if max_context_tokens else model_ctx
-        self.max_sessions = max_sessions
-        self.kv_budget_tokens = kv_budget_tokens
-        # a new session never evicts one used within this many seconds: it is
+        # a session never evicts one used within protect_active_s seconds: it is
         # refused (RESOURCE_EXHAUSTED) instead, so that admission past the KV
         # budget cannot make running requests thrash (0 = plain LRU)
-        self.protect_active_s = protect_active_s
+        self.kv: KVManager[TargetSession] = KVManager(
+            budget_tokens=kv_budget_tokens, budget_bytes=kv_budget_bytes, max_sessions=max_sessions,
+            bytes_per_token=kv_bytes_per_token(cfg, str(self.dtype)), protect_active_s=protect_active_s,
+        )
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.prefill_chunks = 0  # chunk forwards run (chunked prefills only)
+        self._measured = False  # whether kv.bytes_per_token was measured on a real cache
         self.max_span = max_span
         self.max_draft_support = max_draft_support
         self.eos_token_ids = eos_token_ids(
@@ -127,132 +148,42 @@ class TargetEngine:
         # transformers >= 5.2x renames `past_key_values` to `cache`
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._sessions: OrderedDict[str, TargetSession] = OrderedDict()  # LRU order
-        self._lock = threading.Lock()  # guards the dict against Release and the reaper (event-loop thread)
-        # ids a Release named before a session held them (a caller whose Prefill failed on its side):
-        # a Prefill that ends with one frees its session at once (guarded by the lock)
-        self._tombstones = Tombstones()
-        self.evictions = 0
         self.grammars: LazyGrammarCompiler | None = None  # structured output; set with the tokenizer (server.py)
 
     # ------------------------------------------------------------------ state
     @property
     def num_sessions(self) -> int:
-        return len(self._sessions)
+        return self.kv.num_sessions
 
     @property
     def cached_tokens(self) -> int:
-        return sum(s.cache_len for s in self._sessions.values())
+        return self.kv.cached_tokens
 
-    def _get(self, session_id: str) -> TargetSession:
-        with self._lock:
-            sess = self._sessions.get(session_id)
-            if sess is None:
-                raise NotFound(f"unknown target session {session_id!r} (released, evicted or never created)")
-            self._sessions.move_to_end(session_id)
-        sess.last_used = time.monotonic()
-        return sess
+    @property
+    def kv_budget_tokens(self) -> int:
+        return self.kv.budget_tokens
+
+    @property
+    def evictions(self) -> int:
+        return self.kv.evictions
 
     def release(self, session_id: str) -> bool:
-        """Frees the session; True when it existed. An id no session holds
-        is remembered for a while (its Prefill may still be queued or
-        running: it then ends NOT_FOUND, leaving nothing)."""
-        with self._lock:
-            if self._sessions.pop(session_id, None) is not None:
-                return True
-            self._tombstones.add(session_id)
-            return False
-
-    def _check_new_id(self, session_id: str) -> None:
-        """A caller-chosen id for a new session (caller holds the lock):
-        NOT_FOUND once released, ALREADY_EXISTS while a session holds it."""
-        if session_id in self._tombstones:
-            raise NotFound(f"target session {session_id!r} was released before its Prefill finished")
-        if session_id in self._sessions:
-            raise AlreadyExists(f"target session {session_id!r} already exists")
+        """Frees the session; True when it existed (see KVManager.release)."""
+        return self.kv.release(session_id)
 
     def reap_idle(self, ttl_s: float) -> int:
         """Releases sessions idle for longer than ``ttl_s``; returns how many."""
-        now = time.monotonic()
-        with self._lock:
-            stale = [sid for sid, s in self._sessions.items() if now - s.last_used > ttl_s]
-            for sid in stale:
-                del self._sessions[sid]
-        if stale:
-            log(logger, logging.INFO, "reaped idle sessions", count=len(stale))
-        return len(stale)
-
-    def _victim(self, keep: Collection[str], idle_s: float) -> str | None:
-        """The least recently used session not in ``keep`` and idle for at
-        least ``idle_s`` seconds (caller holds the lock)."""
-        now = time.monotonic()
-        for sid, sess in self._sessions.items():  # LRU first
-            if sid in keep:
-                continue
-            if now - sess.last_used < idle_s:
-                return None  # the rest were used even more recently
-            return sid
-        return None
-
-    def _make_room(self, new_tokens: int, keep: Collection[str] = (), idle_s: float = 0.0) -> None:
-        """Evicts least-recently-used sessions (never those in ``keep`` nor
-        any used within ``idle_s`` seconds) until ``new_tokens`` more fit the
-        KV budget; RESOURCE_EXHAUSTED when they cannot."""
-        with self._lock:
-            while self.cached_tokens + new_tokens > self.kv_budget_tokens:
-                victim = self._victim(keep, idle_s)
-                if victim is None:
-                    if idle_s > 0:
-                        raise ResourceExhausted(
-                            f"the KV budget of {self.kv_budget_tokens} tokens is held by {len(self._sessions)} "
-                            f"sessions active in the last {idle_s:g} s; retry later or on another replica"
-                        )
-                    break
-                del self._sessions[victim]
-                self.evictions += 1
-                log(logger, logging.INFO, "evicted session for KV budget", session_id=victim)
+        return self.kv.reap_idle(ttl_s)
 
     # ------------------------------------------------------------- validation
     def check_token_ids(self, ids: Sequence[int], what: str) -> None:
         check_token_ids(ids, self.vocab_size, what)
 
     def check_draft_q(self, draft_ids: Sequence[int], draft_q: Sequence[SparseQ | None]) -> None:
-        if len(draft_q) != len(draft_ids):
-            raise InvalidArgument(
-                f"draft_probs has {len(draft_q)} entries for {len(draft_ids)} drafted tokens (must match, or be empty for one-hot q)"
-            )
-        for i, (x, q) in enumerate(zip(draft_ids, draft_q)):
-            if q is not None:
-                self.check_q(x, q, f"draft_probs[{i}]", "drafted token")
-
-    def check_q(self, x: int, q: SparseQ, name: str, role: str) -> None:
-        """One sparse q (docs/design.md rule 2) and the token ``x`` sampled
-        from it; ``name`` is the request field in messages, ``role`` names x."""
-        ids, probs = q
-        if ids.shape[0] == 0 or ids.shape != probs.shape:
-            raise InvalidArgument(
-                f"{name}: token_ids ({ids.shape[0]}) and probs ({probs.shape[0]}) must be non-empty and of equal length"
-            )
-        if ids.shape[0] > self.max_draft_support:
-            raise InvalidArgument(f"{name}: support of {ids.shape[0]} exceeds the limit {self.max_draft_support}")
-        check_token_ids(ids, self.vocab_size, f"{name}.token_ids")
-        if np.unique(ids).shape[0] != ids.shape[0]:
-            raise InvalidArgument(f"{name}: duplicate token ids")
-        if not np.all(np.isfinite(probs)) or probs.min() < 0:
-            raise InvalidArgument(f"{name}: probabilities must be finite and >= 0")
-        total = float(probs.astype(np.float64).sum())
-        if not math.isclose(total, 1.0, abs_tol=1e-3):
-            raise InvalidArgument(f"{name}: probabilities sum to {total:.6f}, not 1")
-        hit = np.nonzero(ids == x)[0]
-        if hit.size == 0 or probs[hit[0]] <= 0:
-            raise InvalidArgument(f"{name}: {role} {x} has zero probability under its own q")
+        checks.check_draft_q(draft_ids, draft_q, self.vocab_size, self.max_draft_support)
 
     def check_post(self, post_id: int, post_q: SparseQ | None, greedy: bool) -> None:
-        """The post-verify token: in the vocabulary; on a sampled session its
-        q passes the draft q checks (a greedy session ignores q)."""
-        check_token_id(post_id, self.vocab_size, "post_token_id")
-        if not greedy and post_q is not None:
-            self.check_q(post_id, post_q, "post_prob", "post token")
+        checks.check_post(post_id, post_q, greedy, self.vocab_size, self.max_draft_support)
 
     # ---------------------------------------------------------------- compute
     @torch.inference_mode()
@@ -357,20 +288,10 @@ class TargetEngine:
             raise ResourceExhausted(
                 f"prompt of {len(token_ids)} tokens exceeds this replica's KV budget of {self.kv_budget_tokens} tokens"
             )
-        with self._lock:
-            if call.requested_id:
-                self._check_new_id(call.requested_id)
-            while len(self._sessions) + new_sessions >= self.max_sessions:
-                victim = self._victim(protect, self.protect_active_s)
-                if victim is None:
-                    raise ResourceExhausted(
-                        f"all {self.max_sessions} target sessions are in use (by the current batch or within "
-                        f"the last {self.protect_active_s:g} s); retry later or on another replica"
-                    )
-                del self._sessions[victim]
-                self.evictions += 1
-                log(logger, logging.INFO, "evicted session for max_sessions", session_id=victim)
-        self._make_room(reserved + len(token_ids), keep=protect, idle_s=self.protect_active_s)
+        if call.cancel.is_set():
+            raise Cancelled("the caller cancelled this prefill before it started")
+        self.kv.admit(call.requested_id, protect, new_sessions)
+        self.kv.make_room(reserved + len(token_ids), protect, f"a prompt of {len(token_ids)} tokens")
         sess = TargetSession(
             session_id=call.requested_id or new_session_id(),
             cfg=cfg,
@@ -381,10 +302,26 @@ class TargetEngine:
         )
         if sess.grammar is not None:
             sess.grammar.follow(token_ids, 0)  # a rebuilt session's generated tokens (prompt tokens are skipped)
+        chunk = self.prefill_chunk_tokens
+        if chunk and len(token_ids) > chunk:  # in chunks: the whole prompt is held in the budget meanwhile
+            self.kv.reserve(sess.session_id, len(token_ids))
+            return _Row(call, sess, list(token_ids[:chunk]), 1, 0, chunked=True)
         return _Row(call, sess, list(token_ids), 1, 0)
 
+    def _prepare_chunk(self, call: PrefillChunk) -> _Row:
+        """The next chunk of a prefill in progress; CANCELLED once its caller
+        is gone, NOT_FOUND once its id was released (the reservation is
+        dropped by run_batch)."""
+        n = len(call.call.token_ids)
+        if call.call.cancel.is_set():
+            raise Cancelled(f"the caller cancelled this prefill after {call.done} of its {n} prompt tokens")
+        if self.kv.released_early(call.session_id):
+            raise NotFound(f"target session {call.session_id!r} was released before its Prefill finished")
+        ids = call.call.token_ids[call.done : call.done + call.chunk]
+        return _Row(call, call.sess, list(ids), 1, call.done, chunked=True)
+
     def _prepare_verify(self, call: VerifyCall, protect: set[str], reserved: int) -> _Row:
-        sess = self._get(call.session_id)
+        sess = self.kv.get(call.session_id)
         new_ids, draft_ids = call.new_ids, call.draft_ids
         if not new_ids:
             raise InvalidArgument("new_token_ids must hold at least one token")
@@ -400,16 +337,31 @@ class TargetEngine:
             raise FailedPrecondition(
                 f"cache_len mismatch: session holds {sess.cache_len} tokens, request assumes {call.cache_len}"
             )
-        if sess.grammar is not None:
-            sess.grammar.follow(new_ids, sess.cache_len)  # usually the token this session emitted last
         total = sess.cache_len + len(new_ids) + len(draft_ids)
         if total >= self.max_context:
             raise InvalidArgument(f"sequence of {total} tokens exceeds the context of {self.max_context} tokens")
-        self._make_room(reserved + len(new_ids) + len(draft_ids), keep=protect | {call.session_id})
+        # growth: only idle sessions give way (an active one is never evicted for it)
+        self.kv.make_room(reserved + len(new_ids) + len(draft_ids), protect | {call.session_id},
+                          f"session {call.session_id!r} growing by {len(new_ids) + len(draft_ids)} tokens")
+        if sess.grammar is not None:
+            sess.grammar.follow(new_ids, sess.cache_len)  # usually the token this session emitted last
         return _Row(call, sess, list(new_ids) + list(draft_ids), len(draft_ids) + 1, sess.cache_len)
 
-    def _finish_prefill(self, row: _Row, logits: torch.Tensor) -> PrefillOutcome:
-        sess, call = row.sess, row.call
+    def _finish_chunk(self, row: _Row, logits: torch.Tensor) -> Union[PrefillOutcome, Requeue]:
+        """A chunk ran: the next one goes back to the scheduler, the last one
+        finishes the prefill with its logits."""
+        call = row.call if isinstance(row.call, PrefillCall) else row.call.call  # type: ignore[union-attr]
+        assert isinstance(call, PrefillCall)
+        self.prefill_chunks += 1
+        done = row.past + len(row.ids)
+        row.sess.cache_len = done  # for the KV manager's view of a cache in progress (not in the table yet)
+        if done < len(call.token_ids):
+            return Requeue(PrefillChunk(call, row.sess, done, self.prefill_chunk_tokens or len(row.ids)))
+        return self._finish_prefill(row, logits, call)
+
+    def _finish_prefill(self, row: _Row, logits: torch.Tensor, call: PrefillCall | None = None) -> PrefillOutcome:
+        sess = row.sess
+        call = call or row.call  # type: ignore[assignment]
         assert isinstance(call, PrefillCall)
         sess.cache_len = len(call.token_ids)
         nxt: int | None = None
@@ -428,9 +380,10 @@ class TargetEngine:
                     lps = token_logprobs(last, sess.cfg, [nxt], sess.top_logprobs)
                 if sess.grammar is not None and not sess.grammar.follow_allowed([nxt], len(call.token_ids)):
                     nxt, lps, dead = None, [], True
-        with self._lock:  # released while it ran (or named twice in one batch): nothing is kept
-            self._check_new_id(sess.session_id)
-            self._sessions[sess.session_id] = sess
+        if not self._measured:  # the cache's real element type and layout (the estimate came from the config)
+            self.kv.measure(kv.bytes_per_token(sess.cache))
+            self._measured = True
+        self.kv.insert(sess)  # NOT_FOUND when released while it ran (or named twice in one batch): nothing is kept
         return PrefillOutcome(sess.session_id, nxt, gap, sess.cache_len, lps, dead)
 
     def _finish_verify(self, row: _Row, rows: torch.Tensor) -> VerifyOutcome:
@@ -474,13 +427,14 @@ class TargetEngine:
         lps = token_logprobs(emitted, sess.cfg, tokens, sess.top_logprobs) if sess.top_logprobs >= 0 else []
         return VerifyOutcome(res, keep, logit_gaps(emitted) if tokens else [], lps, dead_end)
 
-    def run_batch(self, calls: Sequence[Call]) -> list[tuple[Outcome | SpecdecError | Exception, ForwardInfo]]:
+    def run_batch(self, calls: Sequence[Call]) -> list[tuple[Outcome | Requeue | SpecdecError | Exception, ForwardInfo]]:
         """Serves several Prefill/Verify calls (from different sessions) with one
         forward pass. Each call is validated, verified and rolled back exactly
         as on its own; a call that fails gets its own error, the others are
         unaffected. Returns (outcome or error, the forward that served it) per
-        call, in order."""
-        results: list[tuple[Outcome | SpecdecError | Exception, ForwardInfo]] = [
+        call, in order; a prefill chunk that is not its prompt's last answers
+        :class:`Requeue` of the next one."""
+        results: list[tuple[Outcome | Requeue | SpecdecError | Exception, ForwardInfo]] = [
             (AssertionError("not run"), ForwardInfo(0, 0)) for _ in calls
         ]
         rows: list[tuple[int, _Row]] = []
@@ -494,16 +448,21 @@ class TargetEngine:
                 if isinstance(call, PrefillCall):
                     row = self._prepare_prefill(call, protect, reserved, new_sessions)
                     new_sessions += 1
+                elif isinstance(call, PrefillChunk):
+                    row = self._prepare_chunk(call)
                 else:
                     if call.session_id in seen:
                         raise FailedPrecondition(f"concurrent Verify calls for session {call.session_id!r} in one batch")
                     row = self._prepare_verify(call, protect, reserved)
                     seen.add(call.session_id)  # a failed call left its session as it was
             except SpecdecError as e:
+                if isinstance(call, PrefillChunk):
+                    self.kv.unreserve(call.session_id)
                 results[i] = (e, ForwardInfo(0, 0))
                 continue
             protect.add(row.sess.session_id)
-            reserved += len(row.ids)
+            if not row.chunked:  # a chunked prefill's prompt is held by its reservation
+                reserved += len(row.ids)
             rows.append((i, row))
         if not rows:
             return results
@@ -527,24 +486,36 @@ class TargetEngine:
                     continue
                 err = self._forward_error(e)  # e.g. out of memory; the row's cache is suspect
                 for i, r in group:
-                    self.release(r.sess.session_id)
+                    self._drop(r)
                     results[i] = (err, info)
                 continue
             for (i, r), lg in zip(group, logits):
                 try:
-                    out: Outcome = (
-                        self._finish_prefill(r, lg) if isinstance(r.call, PrefillCall) else self._finish_verify(r, lg)
-                    )
+                    out: Outcome | Requeue
+                    if r.chunked:
+                        out = self._finish_chunk(r, lg)
+                    elif isinstance(r.call, PrefillCall):
+                        out = self._finish_prefill(r, lg)
+                    else:
+                        out = self._finish_verify(r, lg)
                     results[i] = (out, info)
                 except SpecdecError as e:
+                    if r.chunked:
+                        self.kv.unreserve(r.sess.session_id)
                     results[i] = (e, info)
                 except Exception as e:  # a bug: fail this call alone; its session's state is suspect
                     logger.exception("verification failed")
-                    self.release(r.sess.session_id)
+                    self._drop(r)
                     results[i] = (e, info)
                 if len(group) > 1:
                     self._compact(r.sess)
         return results
+
+    def _drop(self, row: _Row) -> None:
+        """A row whose forward or verification failed: its session goes (and a prefill's reservation)."""
+        self.release(row.sess.session_id)
+        if row.chunked:
+            self.kv.unreserve(row.sess.session_id)
 
     @staticmethod
     def _forward_error(e: Exception) -> Exception:
@@ -555,7 +526,10 @@ class TargetEngine:
         return e
 
     def _one(self, call: Call) -> Outcome:
+        """One call on its own; a chunked prefill runs all its chunks here."""
         out, _ = self.run_batch([call])[0]
+        while isinstance(out, Requeue):
+            out, _ = self.run_batch([out.call])[0]
         if isinstance(out, Exception):
             raise out
         return out

@@ -21,8 +21,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["DynamicCache", "batchable", "compact", "drop_last", "layer_kv", "length", "new_cache", "num_layers",
-           "set_layer_kv"]
+__all__ = ["DynamicCache", "batchable", "bytes_per_token", "compact", "drop_last", "layer_kv", "length", "new_cache",
+           "num_layers", "set_layer_kv"]
 
 
 def new_cache(config: Any) -> DynamicCache:
@@ -68,6 +68,17 @@ def set_layer_kv(cache: DynamicCache, li: int, keys: torch.Tensor, values: torch
     if not layer.is_initialized:
         layer.lazy_initialization(keys, values)
     layer.keys, layer.values = keys, values
+
+
+def bytes_per_token(cache: DynamicCache) -> int:
+    """Bytes one token's keys and values take over all layers (0 before the
+    first forward)."""
+    total = 0
+    for layer in cache.layers:
+        if layer.is_initialized and layer.keys is not None:
+            k, v = layer.keys, layer.values
+            total += k.element_size() * k.shape[1] * k.shape[3] + v.element_size() * v.shape[1] * v.shape[3]
+    return total
 
 
 def compact(cache: DynamicCache) -> None:

@@ -99,6 +99,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         self.draining = False  # set on SIGTERM: no new sessions, existing ones are served
         self.verify_streams = 0  # VerifyStream calls opened (each serves one session's rounds)
         self.ahead_steps = 0  # decode-ahead steps run (VerifyRequest.decode_ahead)
+        self.prefills_cancelled = 0  # Prefill calls whose caller went away (cancel, deadline) before the reply
 
     def attach(self, engine: TargetEngine, tokenizer_fingerprint: str, calibration: CalibrationResult | None = None) -> None:
         self._engine = engine
@@ -159,15 +160,16 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             raise Unavailable("the target replica is shutting down; create the session on another replica")
         grammar = await self._grammar(request)
         top = int(request.top_logprobs) if request.return_logprobs else -1
-        job = asyncio.ensure_future(
-            self.worker.submit(PrefillCall(ids, cfg, request.sample_next_token, int(request.rng_offset), top, grammar,
-                                           request.session_id))
-        )
+        call = PrefillCall(ids, cfg, request.sample_next_token, int(request.rng_offset), top, grammar, request.session_id)
+        job = asyncio.ensure_future(self.worker.submit(call))
         try:
             out, t = await asyncio.shield(job)
         except asyncio.CancelledError:
-            # The caller is gone while the prefill runs: release the session it
-            # creates as soon as it exists, so nothing leaks.
+            # The caller is gone while the prefill runs: a prefill still queued or
+            # in chunks stops at its next chunk (CANCELLED, nothing kept); one that
+            # finishes anyway has its session released as soon as it exists.
+            call.cancel.set()
+            self.prefills_cancelled += 1
             job.add_done_callback(self._release_orphan)
             raise
         # A caller that goes after this point (its deadline or cancel racing
@@ -370,6 +372,8 @@ def load_engine(config: TargetServiceConfig) -> tuple[TargetEngine, str, Calibra
         threads=config.threads,
         max_sessions=config.max_sessions,
         kv_budget_tokens=config.kv_budget_tokens,
+        kv_budget_bytes=config.kv_budget_bytes,
+        prefill_chunk_tokens=config.prefill_chunk_tokens,
         protect_active_s=config.kv_protect_active_s,
         max_context_tokens=config.max_context_tokens,
         max_span=config.max_span,

@@ -423,7 +423,7 @@ def test_target_session_lost_is_rebuilt(stack: Stack) -> None:
     )
     chunks = [next(stream), next(stream)]
     engine = stack.target.engine
-    stack.loop.run(stack.target.worker.run(lambda: [engine.release(s) for s in list(engine._sessions)]))
+    stack.loop.run(stack.target.worker.run(lambda: [engine.release(s) for s in engine.kv.session_ids()]))
     chunks += list(stream)
     assert [t for c in chunks for t in c.token_ids] == off["token_ids"]
     assert chunks[-1].stats.target_rebuilds >= 1
