@@ -494,7 +494,8 @@ class Decoder:
                     q,
                     self._timeout(self.p.target_timeout_s),
                     post,
-                    **({"ahead": ahead, "stop_ids": self.p.stop_token_ids} if ahead > 0 else {}),
+                    ahead,
+                    self.p.stop_token_ids,
                 )
             except InvalidArgument as e:
                 if not draft_ids:

@@ -467,10 +467,9 @@ class RoutedTarget(_Bound[Any]):
         stop_ids: Collection[int] = (),
     ) -> VerifyReply:
         r = self._replica(session_id)
-        extra: dict[str, Any] = {"ahead": ahead, "stop_ids": stop_ids} if ahead else {}
         try:
             return await self.pool.call(
-                r, lambda c: c.verify(session_id, cache_len, new_ids, draft_ids, q, timeout, post, **extra)
+                r, lambda c: c.verify(session_id, cache_len, new_ids, draft_ids, q, timeout, post, ahead, stop_ids)
             )
         except NotFound:
             self._dropped(session_id)  # the cache is gone with it; the caller rebuilds

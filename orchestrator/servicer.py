@@ -236,7 +236,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             context_limited=context_limited,
             draft_mode=draft_mode,
             run_ahead_tokens=self.cfg.run_ahead_tokens,
-            decode_ahead=self.cfg.decode_ahead if self.cfg.target_verify_stream else 0,
+            decode_ahead=self.cfg.decode_ahead,  # the target client applies it on Verify streams only
             stop_token_ids=frozenset() if req.ignore_eos else self.limits.eos_token_ids,
             options=options,
             draft_options=replace(options, top_logprobs=-1, grammar=options.grammar if self.cfg.draft_grammar else None),
