@@ -87,7 +87,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[SpeculationConfig, _Mapping]] = ..., ignore_eos: _Optional[bool] = ..., return_logit_gaps: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("draft_tokens", "accepted_tokens", "rounds", "mean_accepted_length", "time_to_first_token_ms", "tokens_per_second", "acceptance_rate", "prompt_tokens", "generated_tokens", "total_ms", "draft_ms", "verify_ms", "overhead_ms", "gamma_trajectory", "accepted_per_round", "draft_failures", "target_rebuilds", "drafter", "policy", "round_trip_ms", "prefill_ms", "draft_mode", "draft_hidden_ms", "post_verified", "round_overhead_p50_ms", "round_overhead_p99_ms")
+    __slots__ = ("draft_tokens", "accepted_tokens", "rounds", "mean_accepted_length", "time_to_first_token_ms", "tokens_per_second", "acceptance_rate", "prompt_tokens", "generated_tokens", "total_ms", "draft_ms", "verify_ms", "overhead_ms", "gamma_trajectory", "accepted_per_round", "draft_failures", "target_rebuilds", "drafter", "policy", "round_trip_ms", "prefill_ms", "draft_mode", "draft_hidden_ms", "post_verified", "round_overhead_p50_ms", "round_overhead_p99_ms", "cached_prompt_tokens", "draft_cached_prompt_tokens")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,8 @@ class GenerationStats(_message.Message):
     POST_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     ROUND_OVERHEAD_P50_MS_FIELD_NUMBER: _ClassVar[int]
     ROUND_OVERHEAD_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: int
     accepted_tokens: int
     rounds: int
@@ -140,7 +142,9 @@ class GenerationStats(_message.Message):
     post_verified: int
     round_overhead_p50_ms: float
     round_overhead_p99_ms: float
-    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., total_ms: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., gamma_trajectory: _Optional[_Iterable[int]] = ..., accepted_per_round: _Optional[_Iterable[int]] = ..., draft_failures: _Optional[int] = ..., target_rebuilds: _Optional[int] = ..., drafter: _Optional[str] = ..., policy: _Optional[str] = ..., round_trip_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., draft_mode: _Optional[str] = ..., draft_hidden_ms: _Optional[float] = ..., post_verified: _Optional[int] = ..., round_overhead_p50_ms: _Optional[float] = ..., round_overhead_p99_ms: _Optional[float] = ...) -> None: ...
+    cached_prompt_tokens: int
+    draft_cached_prompt_tokens: int
+    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., total_ms: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., gamma_trajectory: _Optional[_Iterable[int]] = ..., accepted_per_round: _Optional[_Iterable[int]] = ..., draft_failures: _Optional[int] = ..., target_rebuilds: _Optional[int] = ..., drafter: _Optional[str] = ..., policy: _Optional[str] = ..., round_trip_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., draft_mode: _Optional[str] = ..., draft_hidden_ms: _Optional[float] = ..., post_verified: _Optional[int] = ..., round_overhead_p50_ms: _Optional[float] = ..., round_overhead_p99_ms: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ..., draft_cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "logit_gaps", "logprobs")

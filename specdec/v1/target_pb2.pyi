@@ -30,7 +30,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., sample_next_token: _Optional[bool] = ..., rng_offset: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ..., grammar_start: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("session_id", "has_next_token", "next_token_id", "next_token_logit_gap", "cache_len", "timings", "next_token_logprobs", "grammar_applied", "grammar_dead_end")
+    __slots__ = ("session_id", "has_next_token", "next_token_id", "next_token_logit_gap", "cache_len", "timings", "next_token_logprobs", "grammar_applied", "grammar_dead_end", "cached_prompt_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HAS_NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class PrefillResponse(_message.Message):
     NEXT_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_APPLIED_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_DEAD_END_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     has_next_token: bool
     next_token_id: int
@@ -49,7 +50,8 @@ class PrefillResponse(_message.Message):
     next_token_logprobs: _common_pb2.TokenLogprobs
     grammar_applied: bool
     grammar_dead_end: bool
-    def __init__(self, session_id: _Optional[str] = ..., has_next_token: _Optional[bool] = ..., next_token_id: _Optional[int] = ..., next_token_logit_gap: _Optional[float] = ..., cache_len: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., next_token_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., grammar_applied: _Optional[bool] = ..., grammar_dead_end: _Optional[bool] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., has_next_token: _Optional[bool] = ..., next_token_id: _Optional[int] = ..., next_token_logit_gap: _Optional[float] = ..., cache_len: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., next_token_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., grammar_applied: _Optional[bool] = ..., grammar_dead_end: _Optional[bool] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "cache_len", "new_token_ids", "draft_token_ids", "draft_probs", "has_post_token", "post_token_id", "post_prob", "decode_ahead", "stop_token_ids")
