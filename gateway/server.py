@@ -71,8 +71,13 @@ class GatewayServer:
 
 
 def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket. It is made with proto IPPROTO_TCP, not 0:
+    asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP,
+    and without it every keep-alive response waited out the client's
+    delayed ACK (Nagle): 40 ms per request (docs/benchmarks.md, gateway
+    overhead)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)

@@ -141,9 +141,9 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    axes[0].boxplot([rows["grpc_request"], rows["http_request"]], labels=["gRPC", "HTTP gateway"], showfliers=False)
+    axes[0].boxplot([rows["grpc_request"], rows["http_request"]], tick_labels=["gRPC", "HTTP gateway"], showfliers=False)
     axes[0].set_title("1-token request (ms)")
-    axes[1].boxplot([rows["grpc_stream"], rows["http_stream"]], labels=["gRPC", "HTTP gateway (SSE)"],
+    axes[1].boxplot([rows["grpc_stream"], rows["http_stream"]], tick_labels=["gRPC", "HTTP gateway (SSE)"],
                     showfliers=False)
     axes[1].set_title(f"{a.tokens}-chunk stream (ms)")
     fig.suptitle(f"gateway adds {r['p50']:.2f} ms/request, {c['p50']:.3f} ms/chunk (p50)")
