@@ -172,6 +172,7 @@ class GrpcTargetClient(_GrpcClient):
             r.timings.compute_ms,
             logprobs_from_proto([r.next_token_logprobs]) if r.HasField("next_token_logprobs") else [],
             r.grammar_dead_end,
+            r.cached_prompt_tokens,
         )
 
     async def verify(

@@ -257,6 +257,7 @@ class Decoder:
                 self.p.prompt_ids, self.p.sampling, True, 0, self._timeout(self.p.target_timeout_s), self.p.options
             )
             self.target_sid, self.target_cache_len = reply.session_id, reply.cache_len
+            self.stats.cached_prompt_tokens = reply.cached_tokens
         finally:
             if draft_task is not None:
                 await draft_task

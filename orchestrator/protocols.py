@@ -40,6 +40,7 @@ class PrefillReply:
     compute_ms: float
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the next token's, with SessionOptions.top_logprobs
     dead_end: bool = False  # the grammar allows no first token (next_token is None)
+    cached_tokens: int = 0  # prompt tokens the target took from its prefix cache
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ class RequestStats:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     prefill_ms: float = 0.0  # the part of verify_ms that prefilled prompts (and rebuilds)
+    cached_prompt_tokens: int = 0  # prompt tokens the target took from its prefix cache
+    draft_cached_prompt_tokens: int = 0  # the same for the draft session
     rtt_ms: float = 0.0  # RPC wall time minus server compute, summed
     draft_failures: int = 0
     target_rebuilds: int = 0

@@ -287,7 +287,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if d is not None and stats is not None:
             ttft = (stats.first_token_at - stats.started) * 1e3 if stats.first_token_at is not None else None
             fields.update(
-                prompt_tokens=stats.prompt_tokens, new_tokens=rec.emitted,
+                prompt_tokens=stats.prompt_tokens, cached_prompt_tokens=stats.cached_prompt_tokens,
+                draft_cached_prompt_tokens=stats.draft_cached_prompt_tokens, new_tokens=rec.emitted,
                 drafter=d.p.drafter_label if d.draft is not None else "", policy=d.p.policy.name,
                 ttft_ms=round(ttft, 1) if ttft is not None else None,
                 tokens_per_s=round(rec.emitted / wall, 2) if wall > 0 else 0.0,
@@ -469,4 +470,6 @@ def stats_proto(s: RequestStats, generated: int) -> pb.GenerationStats:
         post_verified=s.post_verified,
         round_overhead_p50_ms=s.round_overhead_p50_ms,
         round_overhead_p99_ms=s.round_overhead_p99_ms,
+        cached_prompt_tokens=s.cached_prompt_tokens,
+        draft_cached_prompt_tokens=s.draft_cached_prompt_tokens,
     )

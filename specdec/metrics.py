@@ -154,6 +154,35 @@ class BatchMetrics:
         self.batch_tokens.observe(batch_tokens)
 
 
+@dataclass
+class KVMetrics:
+    """A model service's KV budget and prefix cache (names after vLLM's
+    ``prefix_cache_queries`` / ``prefix_cache_hits``, counted in tokens)."""
+
+    prefix_queries: Counter
+    prefix_hits: Counter
+    used_tokens: Gauge
+    budget_tokens: Gauge
+    used_bytes: Gauge
+    budget_bytes: Gauge
+    prefix_entries: Gauge
+    prefix_tokens: Gauge
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry, service: str) -> "KVMetrics":
+        p, r = f"specdec_{service}", registry
+        return cls(
+            prefix_queries=Counter(f"{p}_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.", registry=r),
+            prefix_hits=Counter(f"{p}_prefix_cache_hits_tokens", "Prompt tokens taken from the prefix cache (not prefilled).", registry=r),
+            used_tokens=Gauge(f"{p}_kv_used_tokens", "KV tokens held: sessions, prefills in progress, prefix-cache entries.", registry=r),
+            budget_tokens=Gauge(f"{p}_kv_budget_tokens", "The KV budget in tokens.", registry=r),
+            used_bytes=Gauge(f"{p}_kv_used_bytes", "KV bytes held (K+V over all layers).", registry=r),
+            budget_bytes=Gauge(f"{p}_kv_budget_bytes", "The KV budget in bytes.", registry=r),
+            prefix_entries=Gauge(f"{p}_prefix_cache_entries", "Prefixes stored in the prefix cache.", registry=r),
+            prefix_tokens=Gauge(f"{p}_prefix_cache_tokens", "Tokens the prefix cache's entries hold.", registry=r),
+        )
+
+
 def export_calibration(registry: CollectorRegistry, result: object, isa: str) -> None:
     """The target's start-up calibration as gauges: every measured pair's
     t(k) (``specdec_target_forward_cost_ms{dtype,backend,tokens}``), its

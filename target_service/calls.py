@@ -21,6 +21,7 @@ class PrefillOutcome:
     cache_len: int
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the next token's, when the session asked
     dead_end: bool = False  # the grammar allows no first token (next_token is None)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not prefilled)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Validation of a Verify's sparse draft distributions (docs/design.md
-rule 2) and its post-verify token: plain functions, no model."""
+"""Validation of a prompt's size, of a Verify's sparse draft distributions
+(docs/design.md rule 2) and of its post-verify token: plain functions, no
+model."""
 
 from __future__ import annotations
 
@@ -8,9 +9,19 @@ from typing import Sequence
 
 import numpy as np
 
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, ResourceExhausted
 from specdec.sampling import SparseQ
 from specdec.validation import check_token_id, check_token_ids
+
+
+def check_prompt_fits(tokens: int, max_context: int, kv_budget_tokens: int) -> None:
+    """INVALID_ARGUMENT for a prompt the context cannot hold (it never
+    could), RESOURCE_EXHAUSTED for one the whole KV budget cannot hold (a
+    replica with a larger budget could): both before any work is queued."""
+    if tokens >= max_context:
+        raise InvalidArgument(f"prompt of {tokens} tokens does not fit the context of {max_context} tokens")
+    if tokens > kv_budget_tokens:
+        raise ResourceExhausted(f"prompt of {tokens} tokens exceeds this replica's KV budget of {kv_budget_tokens} tokens")
 
 
 def check_draft_q(draft_ids: Sequence[int], draft_q: Sequence[SparseQ | None], vocab_size: int, max_support: int) -> None:

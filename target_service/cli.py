@@ -48,6 +48,14 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "") -> FlagSet:
     f.add("prefill-chunk-tokens", dest="target_prefill_chunk", type=int, default=256,
           help="target: prompts longer than this are prefilled this many tokens per forward pass, "
                "other sessions' verify rounds running between the chunks (0 = one pass per prompt)")
+    f.add("prefill-share", dest="target_prefill_share", type=float, default=1.5,
+          help="target: while other sessions decode, each prefill chunk is cut to cost about this many of their "
+               "decode steps (measured online), so their streams keep their pace; 0 = --prefill-chunk-tokens always")
+    f.add("prefix-cache", dest="target_prefix_cache", choices=("on", "off"), default="on",
+          help="target: keep prompts and finished sessions' tokens with their KV; a prompt that starts with "
+               "stored tokens prefills only the rest")
+    f.add("prefix-cache-entries", dest="target_prefix_entries", type=int, default=64,
+          help="target: stored prefixes at most (their KV also counts in the KV budget)")
     f.add("max-batch-size", dest="max_batch_size", type=int, default=16,
           help="target: calls from different sessions per forward pass (1 = unbatched)")
     f.add("batch-window-ms", dest="batch_window_ms", type=float, default=2.0,
@@ -76,7 +84,8 @@ _FIELD_DESTS = {"max_sessions": "target_max_sessions", "session_ttl_s": "target_
                 "max_batch_size": "max_batch_size", "max_batch_tokens": "max_batch_tokens",
                 "max_batch_kv_tokens": "target_kv_budget", "batch_window_ms": "batch_window_ms",
                 "regroup_ms": "batch_regroup_ms", "kv_budget_tokens": "target_kv_budget",
-                "kv_budget_bytes": "target_kv_budget_bytes", "prefill_chunk_tokens": "target_prefill_chunk"}
+                "kv_budget_bytes": "target_kv_budget_bytes", "prefill_chunk_tokens": "target_prefill_chunk",
+                "prefix_cache_entries": "target_prefix_entries", "prefill_share": "target_prefill_share"}
 
 
 def config_from_args(a: argparse.Namespace, port: int) -> TargetServiceConfig:
@@ -87,6 +96,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> TargetServiceConfig:
         backend=a.target_backend, gguf=a.target_gguf, calibrate=a.target_calibrate == "on",
         threads=a.target_threads, cache_dir=a.cache_dir, kv_budget_tokens=a.target_kv_budget,
         kv_budget_bytes=a.target_kv_budget_bytes, prefill_chunk_tokens=a.target_prefill_chunk,
+        prefill_share=a.target_prefill_share, prefix_cache=a.target_prefix_cache == "on", prefix_cache_entries=a.target_prefix_entries,
         metrics_port=a.metrics_port, metrics_host=a.metrics_host, health_port=a.health_port,
         tls=server_tls(a),
         max_batch_size=a.max_batch_size, batch_window_ms=a.batch_window_ms, batch_regroup_ms=a.batch_regroup_ms,

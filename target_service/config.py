@@ -37,6 +37,13 @@ class TargetServiceConfig:
     # other sessions' verify rounds between the chunks (0 = one forward per prompt;
     # docs/design.md, "Chunked prefill", says why 256)
     prefill_chunk_tokens: int = 256
+    # while other sessions decode, a chunk is cut to cost about this many of their
+    # decode steps, measured online, so their streams keep their pace (0 = fixed chunks)
+    prefill_share: float = 1.5
+    # keep prompts and released sessions' tokens with their KV, and start a new
+    # prompt from the longest stored prefix (target_service/prefix_cache.py)
+    prefix_cache: bool = True
+    prefix_cache_entries: int = 64  # stored prefixes at most (their tokens also count in the KV budget)
     # a new session never evicts one used within this many seconds; it gets
     # RESOURCE_EXHAUSTED instead (admission control; 0 = plain LRU eviction)
     kv_protect_active_s: float = 10.0
@@ -71,6 +78,10 @@ class TargetServiceConfig:
         if self.kv_budget_tokens < 1 or self.kv_budget_bytes < 0:
             raise ValueError(f"kv_budget_tokens must be >= 1 and kv_budget_bytes >= 0, got "
                              f"{self.kv_budget_tokens} and {self.kv_budget_bytes}")
+        if self.prefix_cache_entries < 1:
+            raise ValueError(f"prefix_cache_entries must be >= 1, got {self.prefix_cache_entries}")
+        if not self.prefill_share >= 0:
+            raise ValueError(f"prefill_share must be >= 0 (0 = fixed chunks), got {self.prefill_share}")
         if self.prefill_chunk_tokens < 0:
             raise ValueError(f"prefill_chunk_tokens must be >= 0 (0 = off), got {self.prefill_chunk_tokens}")
         if not 1 <= self.max_span <= 1024:

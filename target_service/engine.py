@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +58,10 @@ from target_service.batching import Requeue
 from target_service.calls import (Call, ForwardInfo, Outcome, PrefillCall, PrefillChunk, PrefillOutcome, VerifyCall,
                                   VerifyOutcome)
 from target_service import kv_adapter as kv
+from target_service import runner
 from target_service.kv_manager import KVManager, kv_bytes_per_token
+from target_service.prefix_cache import PrefixCache
+from target_service.chunking import ChunkSizer
 from target_service import checks
 from target_service.constrained import mask_rows
 from target_service.loading import load_model, output_vocab_size, parse_dtype, pick_device, set_threads
@@ -75,6 +79,8 @@ class TargetSession:
     last_used: float = field(default_factory=time.monotonic)
     top_logprobs: int = -1  # logprobs of every emitted token with this many top tokens; -1 = none
     grammar: GrammarState | None = None  # structured output: follows the committed tokens
+    tokens: list[int] = field(default_factory=list)  # the tokens the cache holds (for the prefix cache)
+    cached_tokens: int = 0  # prompt tokens its prefill took from the prefix cache
 
 
 @dataclass
@@ -102,6 +108,10 @@ class TargetEngine:
         kv_budget_bytes: int = 0,
         protect_active_s: float = 10.0,
         prefill_chunk_tokens: int = 0,
+        prefill_share: float = 0.0,
+        prefix_cache: bool = False,
+        prefix_cache_entries: int = 64,
+        prefix_cache_min_tokens: int = 16,
         max_context_tokens: int = 0,
         max_span: int = 32,
         max_draft_support: int = 4096,
@@ -116,7 +126,9 @@ class TargetEngine:
         quantized backends, its linear layers from ``gguf_path``).
         ``kv_budget_bytes`` > 0 replaces ``kv_budget_tokens`` (see
         target_service/kv_manager.py); ``prefill_chunk_tokens`` 0 = every
-        prompt in one forward."""
+        prompt in one forward. ``prefix_cache``: keep prompts and released
+        sessions' tokens with their KV and start a new prompt from the
+        longest stored prefix (target_service/prefix_cache.py)."""
         self.device = pick_device(device)
         self.dtype = parse_dtype(dtype)
         self.backend = backend
@@ -137,6 +149,15 @@ class TargetEngine:
             bytes_per_token=kv_bytes_per_token(cfg, str(self.dtype)), protect_active_s=protect_active_s,
         )
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        # while other sessions decode, a chunk costs about prefill_share of their steps (0 = fixed chunks)
+        self.chunks = ChunkSizer(prefill_chunk_tokens, prefill_share)
+        # the prefix cache needs plain growing layers (sliding-window or quantized ones keep their own layout)
+        self.prefix: PrefixCache | None = None
+        if prefix_cache and kv.batchable(kv.new_cache(cfg)):
+            self.prefix = PrefixCache(max_entries=prefix_cache_entries, min_hit_tokens=prefix_cache_min_tokens)
+        self.kv.prefix = self.prefix
+        self._parked: list[TargetSession] = []  # released sessions, stored in the prefix cache by the model thread
+        self._parked_lock = threading.Lock()
         self.prefill_chunks = 0  # chunk forwards run (chunked prefills only)
         self._measured = False  # whether kv.bytes_per_token was measured on a real cache
         self.max_span = max_span
@@ -168,8 +189,48 @@ class TargetEngine:
         return self.kv.evictions
 
     def release(self, session_id: str) -> bool:
-        """Frees the session; True when it existed (see KVManager.release)."""
-        return self.kv.release(session_id)
+        """Frees the session; True when it existed (see KVManager.release).
+        With the prefix cache on, its tokens and KV are kept as an entry: the
+        model thread stores it before its next batch (a batch running with
+        the session now finishes first, so the entry sees its final state)."""
+        sess = self.kv.pop(session_id)
+        if sess is not None and self.prefix is not None:
+            with self._parked_lock:
+                self._parked.append(sess)
+        return sess is not None
+
+    def _store_parked(self) -> None:
+        """Model thread, between batches: released sessions become prefix entries."""
+        with self._parked_lock:
+            parked, self._parked = self._parked, []
+        for sess in parked:
+            self._store_prefix(sess)
+
+    def _store_prefix(self, sess: TargetSession) -> None:
+        """Keeps the session's tokens and KV (by reference) in the prefix
+        cache, when they agree (a session whose last step failed is not kept)."""
+        if self.prefix is None or not sess.tokens:
+            return
+        if not (len(sess.tokens) == sess.cache_len == kv.length(sess.cache)):
+            return
+        if not self.kv.room_for_prefix(len(sess.tokens)):
+            return  # entries never push sessions out
+        layers = [kv.layer_kv(sess.cache, li) for li in range(kv.num_layers(sess.cache))]
+        self.prefix.store(sess.tokens, layers)
+
+    def _from_prefix(self, sess: TargetSession, token_ids: Sequence[int]) -> int:
+        """Starts ``sess``'s cache from the longest stored prefix of
+        ``token_ids`` (views of the entry's tensors, cut to the shared
+        length); returns how many tokens it holds (0 = no hit)."""
+        if self.prefix is None:
+            return 0
+        hit = self.prefix.lookup(token_ids)
+        if hit is None:
+            return 0
+        for li, (keys, values) in enumerate(hit.entry.layers):
+            kv.set_layer_kv(sess.cache, li, keys[:, :, : hit.length], values[:, :, : hit.length])
+        sess.cache_len = sess.cached_tokens = hit.length
+        return hit.length
 
     def reap_idle(self, ttl_s: float) -> int:
         """Releases sessions idle for longer than ``ttl_s``; returns how many."""
@@ -186,13 +247,10 @@ class TargetEngine:
         checks.check_post(post_id, post_q, greedy, self.vocab_size, self.max_draft_support)
 
     # ---------------------------------------------------------------- compute
-    @torch.inference_mode()
     def _forward(self, cache: kv.DynamicCache, ids: Sequence[int], keep: int) -> torch.Tensor:
         """Appends ``ids`` to ``cache``; returns the logits of the last ``keep``
-        positions, [keep, V] float32 (the LM head runs on those rows only)."""
-        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=keep, **{self._cache_kwarg: cache})
-        return out.logits[0, -keep:].float()
+        positions, [keep, V] float32 (target_service/runner.py)."""
+        return runner.forward(self.model, self.device, self._cache_kwarg, cache, ids, keep)
 
     @staticmethod
     def _batchable(rows: Sequence[_Row]) -> bool:
@@ -201,65 +259,10 @@ class TargetEngine:
         layers keep their own layout and run one row per forward."""
         return all(kv.batchable(r.sess.cache) for r in rows)
 
-    @torch.inference_mode()
     def _forward_batch(self, rows: Sequence[_Row]) -> list[torch.Tensor]:
-        """One forward pass over several sessions; returns each row's logits of
-        its last ``keep`` positions ([keep, V] float32) and leaves each
-        session's cache holding its past + ``ids`` (like :meth:`_forward`).
-
-        Layout, with P = max past and N = max new tokens: each session's past
-        KV is left-padded to P and its new tokens right-padded to N, so its real
-        positions are the contiguous range [P - past, P + n) of the batched
-        cache. A 2D attention mask zeroes the padding, position_ids carry each
-        row's own positions (past + j), and the causal mask (in cache
-        coordinates) does the rest. Padded query rows always see at least their
-        row's real tokens, so no softmax row is fully masked.
-        """
-        dev = self.device
-        b = len(rows)
-        p = max(r.past for r in rows)
-        n_max = max(len(r.ids) for r in rows)
-        input_ids = torch.zeros((b, n_max), dtype=torch.long)
-        positions = torch.empty((b, n_max), dtype=torch.long)
-        mask = torch.zeros((b, p + n_max), dtype=torch.long)
-        for i, r in enumerate(rows):
-            n = len(r.ids)
-            input_ids[i, :n] = torch.tensor(r.ids, dtype=torch.long)
-            positions[i] = torch.arange(r.past, r.past + n_max)
-            mask[i, p - r.past : p + n] = 1
-        cache = kv.new_cache(self.model.config)
-        if p > 0:
-            ref = next(r for r in rows if r.past > 0).sess.cache
-            for li in range(kv.num_layers(cache)):
-                src_k, src_v = kv.layer_kv(ref, li)
-                keys = src_k.new_zeros((b, src_k.shape[1], p, src_k.shape[3]))
-                values = src_v.new_zeros((b, src_v.shape[1], p, src_v.shape[3]))
-                for i, r in enumerate(rows):
-                    if r.past:
-                        rk, rv = kv.layer_kv(r.sess.cache, li)
-                        keys[i, :, p - r.past :] = rk[0]
-                        values[i, :, p - r.past :] = rv[0]
-                kv.set_layer_kv(cache, li, keys, values)
-        first = min(len(r.ids) - r.keep for r in rows)  # earliest position whose logits are needed
-        out = self.model(
-            input_ids=input_ids.to(dev),
-            attention_mask=mask.to(dev),
-            position_ids=positions.to(dev),
-            use_cache=True,
-            logits_to_keep=n_max - first,
-            **{self._cache_kwarg: cache},
-        )
-        logits: list[torch.Tensor] = []
-        for i, r in enumerate(rows):
-            n = len(r.ids)
-            lo = n - r.keep - first
-            logits.append(out.logits[i, lo : lo + r.keep].float())
-            for li in range(kv.num_layers(cache)):
-                keys, values = kv.layer_kv(cache, li)
-                # views into the batched cache until _compact copies them out
-                kv.set_layer_kv(r.sess.cache, li, keys[i : i + 1, :, p - r.past : p + n],
-                                values[i : i + 1, :, p - r.past : p + n])
-        return logits
+        """One forward pass over several sessions (target_service/runner.py)."""
+        return runner.forward_batch(self.model, self.device, self._cache_kwarg,
+                                    [runner.BatchRow(r.sess.cache, r.ids, r.keep, r.past) for r in rows])
 
     @staticmethod
     def _compact(sess: TargetSession) -> None:
@@ -280,14 +283,7 @@ class TargetEngine:
         self.check_token_ids(token_ids, "token_ids")
         if cfg.top_k > self.vocab_size:
             raise InvalidArgument(f"sampling.top_k {cfg.top_k} exceeds the vocabulary size {self.vocab_size}")
-        if len(token_ids) >= self.max_context:
-            raise InvalidArgument(
-                f"prompt of {len(token_ids)} tokens does not fit the context of {self.max_context} tokens"
-            )
-        if len(token_ids) > self.kv_budget_tokens:
-            raise ResourceExhausted(
-                f"prompt of {len(token_ids)} tokens exceeds this replica's KV budget of {self.kv_budget_tokens} tokens"
-            )
+        checks.check_prompt_fits(len(token_ids), self.max_context, self.kv_budget_tokens)
         if call.cancel.is_set():
             raise Cancelled("the caller cancelled this prefill before it started")
         self.kv.admit(call.requested_id, protect, new_sessions)
@@ -302,11 +298,13 @@ class TargetEngine:
         )
         if sess.grammar is not None:
             sess.grammar.follow(token_ids, 0)  # a rebuilt session's generated tokens (prompt tokens are skipped)
-        chunk = self.prefill_chunk_tokens
-        if chunk and len(token_ids) > chunk:  # in chunks: the whole prompt is held in the budget meanwhile
+        sess.tokens = list(token_ids)
+        past = self._from_prefix(sess, token_ids)
+        chunk = self._chunk_tokens(sess.session_id)
+        if chunk and len(token_ids) - past > chunk:  # in chunks: the whole prompt is held in the budget meanwhile
             self.kv.reserve(sess.session_id, len(token_ids))
-            return _Row(call, sess, list(token_ids[:chunk]), 1, 0, chunked=True)
-        return _Row(call, sess, list(token_ids), 1, 0)
+            return _Row(call, sess, list(token_ids[past : past + chunk]), 1, past, chunked=True)
+        return _Row(call, sess, list(token_ids[past:]), 1, past)
 
     def _prepare_chunk(self, call: PrefillChunk) -> _Row:
         """The next chunk of a prefill in progress; CANCELLED once its caller
@@ -317,8 +315,20 @@ class TargetEngine:
             raise Cancelled(f"the caller cancelled this prefill after {call.done} of its {n} prompt tokens")
         if self.kv.released_early(call.session_id):
             raise NotFound(f"target session {call.session_id!r} was released before its Prefill finished")
-        ids = call.call.token_ids[call.done : call.done + call.chunk]
+        ids = call.call.token_ids[call.done : call.done + (self._chunk_tokens(call.session_id) or call.chunk)]
         return _Row(call, call.sess, list(ids), 1, call.done, chunked=True)
+
+    def _chunk_tokens(self, session_id: str) -> int:
+        """The next chunk's size (target_service/chunking.py); 0 = no chunking."""
+        sizer = self.chunks
+        return sizer.size(bool(sizer.chunk_tokens) and self.kv.others_active(session_id, 1.0))
+
+    def _time_forward(self, group: Sequence[tuple[int, _Row]], ms: float) -> None:
+        tokens = sum(len(r.ids) for _, r in group)
+        alone = group[0][1] if len(group) == 1 else None
+        self.chunks.observe(decode=all(isinstance(r.call, VerifyCall) for _, r in group),
+                            prefill=alone is not None and not isinstance(alone.call, VerifyCall)
+                            and (alone.chunked or tokens >= 16), tokens=tokens, ms=ms)
 
     def _prepare_verify(self, call: VerifyCall, protect: set[str], reserved: int) -> _Row:
         sess = self.kv.get(call.session_id)
@@ -384,7 +394,7 @@ class TargetEngine:
             self.kv.measure(kv.bytes_per_token(sess.cache))
             self._measured = True
         self.kv.insert(sess)  # NOT_FOUND when released while it ran (or named twice in one batch): nothing is kept
-        return PrefillOutcome(sess.session_id, nxt, gap, sess.cache_len, lps, dead)
+        return PrefillOutcome(sess.session_id, nxt, gap, sess.cache_len, lps, dead, sess.cached_tokens)
 
     def _finish_verify(self, row: _Row, rows: torch.Tensor) -> VerifyOutcome:
         """``rows``: [γ+1, V] logits; row i scores draft_ids[i], row γ the
@@ -422,6 +432,10 @@ class TargetEngine:
                     kv.drop_last(sess.cache, keep - cut)
                     keep = cut
                     res = VerifyResult(taken, res.next_token, False)  # only the tokens the grammar took count
+        del sess.tokens[sess.cache_len :]
+        sess.tokens.extend(call.new_ids)
+        sess.tokens.extend(draft_ids[: res.num_accepted])
+        del sess.tokens[keep:]
         sess.cache_len = keep
         emitted = rows[: len(tokens)]
         lps = token_logprobs(emitted, sess.cfg, tokens, sess.top_logprobs) if sess.top_logprobs >= 0 else []
@@ -437,6 +451,7 @@ class TargetEngine:
         results: list[tuple[Outcome | Requeue | SpecdecError | Exception, ForwardInfo]] = [
             (AssertionError("not run"), ForwardInfo(0, 0)) for _ in calls
         ]
+        self._store_parked()  # sessions released since the last batch: their prefixes count for this one
         rows: list[tuple[int, _Row]] = []
         # sessions named in this batch are never evicted to make room for their batch-mates
         protect: set[str] = {c.session_id for c in calls if isinstance(c, VerifyCall)}
@@ -467,17 +482,20 @@ class TargetEngine:
         if not rows:
             return results
         only = [r for _, r in rows]
+
         batched = len(only) > 1 and self._batchable(only)
         groups = [rows] if len(rows) == 1 or batched else [[x] for x in rows]
         while groups:
             group = groups.pop(0)
             info = ForwardInfo(len(group), sum(len(r.ids) for _, r in group))
             try:
+                t0 = time.perf_counter()
                 if len(group) == 1:
                     _, r = group[0]
                     logits = [self._forward(r.sess.cache, r.ids, r.keep)]
                 else:
                     logits = self._forward_batch([r for _, r in group])
+                self._time_forward(group, (time.perf_counter() - t0) * 1e3)
             except Exception as e:
                 if len(group) > 1:  # the sessions' caches are untouched: retry the rows one by one
                     log(logger, logging.WARNING, "batched forward failed; retrying unbatched",
@@ -509,11 +527,14 @@ class TargetEngine:
                     results[i] = (e, info)
                 if len(group) > 1:
                     self._compact(r.sess)
+                if isinstance(results[i][0], PrefillOutcome):
+                    self._store_prefix(r.sess)  # its prompt, for requests that share it while this one runs
         return results
 
     def _drop(self, row: _Row) -> None:
-        """A row whose forward or verification failed: its session goes (and a prefill's reservation)."""
-        self.release(row.sess.session_id)
+        """A row whose forward or verification failed: its session goes (and a
+        prefill's reservation), not into the prefix cache (its cache is suspect)."""
+        self.kv.release(row.sess.session_id)
         if row.chunked:
             self.kv.unreserve(row.sess.session_id)
 

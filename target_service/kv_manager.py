@@ -9,10 +9,13 @@ the tombstones of ids released before their session existed.
 
 The rules (docs/architecture.md, "KV manager"):
 
-- The budget counts every committed token of every session plus the whole
+- The budget counts every committed token of every session, the whole
   prompt of each prefill in progress (reserved when it is admitted, so a
-  chunked prefill cannot be starved of room half-way).
-- Room is made by evicting least recently used sessions that are idle: not
+  chunked prefill cannot be starved of room half-way), and the tokens of
+  the prefix cache's entries (target_service/prefix_cache.py).
+- Room is made first by dropping prefix-cache entries, least recently used
+  first (no request is using them), then by evicting least recently used
+  sessions that are idle: not
   named in the current batch and not used within ``protect_active_s``.
   An *active* session is never evicted for another session's prompt or
   growth: that request gets RESOURCE_EXHAUSTED, with the numbers.
@@ -35,6 +38,7 @@ from typing import Any, Collection, Generic, Protocol, TypeVar
 from specdec.errors import AlreadyExists, NotFound, ResourceExhausted
 from specdec.logging_util import log
 from specdec.session_ids import Tombstones
+from target_service.prefix_cache import PrefixCache
 
 logger = logging.getLogger("specdec.target.kv")
 
@@ -87,6 +91,7 @@ class KVManager(Generic[S]):
         self.lock = threading.Lock()
         self._tombstones = Tombstones()
         self.evictions = 0
+        self.prefix: PrefixCache | None = None  # the engine's prefix cache, when on: its entries count in the budget
 
     # ------------------------------------------------------------------ state
     @property
@@ -114,12 +119,29 @@ class KVManager(Generic[S]):
         return sum(self._reserved.values())
 
     @property
+    def prefix_tokens(self) -> int:
+        """Tokens the prefix cache's entries hold."""
+        return self.prefix.tokens if self.prefix is not None else 0
+
+    @property
     def used_tokens(self) -> int:
-        return self.cached_tokens + self.reserved_tokens
+        return self.cached_tokens + self.reserved_tokens + self.prefix_tokens
 
     @property
     def used_bytes(self) -> int:
         return self.used_tokens * self.bytes_per_token
+
+    def others_active(self, session_id: str, within_s: float) -> bool:
+        """Whether a session other than ``session_id`` was used within the last ``within_s`` seconds."""
+        now = time.monotonic()
+        with self.lock:
+            for sid in reversed(self._sessions):  # most recently used last
+                sess = self._sessions[sid]
+                if now - sess.last_used >= within_s:
+                    return False
+                if sid != session_id:
+                    return True
+        return False
 
     def session_ids(self) -> list[str]:
         with self.lock:
@@ -141,15 +163,20 @@ class KVManager(Generic[S]):
         sess.last_used = time.monotonic()
         return sess
 
+    def pop(self, session_id: str) -> S | None:
+        """Frees the session and returns it (None when no session held the
+        id, which is then remembered as :meth:`release` does)."""
+        with self.lock:
+            sess = self._sessions.pop(session_id, None)
+            if sess is None:
+                self._tombstones.add(session_id)
+            return sess
+
     def release(self, session_id: str) -> bool:
         """Frees the session; True when it existed. An id no session holds
         is remembered for a while (its Prefill may still be queued or
         running: it then ends NOT_FOUND, leaving nothing)."""
-        with self.lock:
-            if self._sessions.pop(session_id, None) is not None:
-                return True
-            self._tombstones.add(session_id)
-            return False
+        return self.pop(session_id) is not None
 
     def released_early(self, session_id: str) -> bool:
         """Whether a Release named ``session_id`` before its session existed."""
@@ -230,6 +257,16 @@ class KVManager(Generic[S]):
                     )
                 self._evict(victim, "max_sessions")
 
+    def room_for_prefix(self, tokens: int) -> bool:
+        """Whether a new prefix-cache entry of ``tokens`` fits the budget,
+        after dropping older entries (least recently used first); never at
+        any session's expense: False when the sessions hold too much."""
+        with self.lock:
+            while self.used_tokens + tokens > self.budget_tokens:
+                if self.prefix is None or not self.prefix.evict_lru():
+                    return False
+            return True
+
     def make_room(self, new_tokens: int, keep: Collection[str], what: str) -> None:
         """Evicts idle least-recently-used sessions (never those in ``keep``
         nor any used within ``protect_active_s``) until ``new_tokens`` more
@@ -240,6 +277,8 @@ class KVManager(Generic[S]):
         idle_s = self.protect_active_s
         with self.lock:
             while self.used_tokens + new_tokens > self.budget_tokens:
+                if self.prefix is not None and self.prefix.evict_lru():
+                    continue  # an unreferenced prefix goes before any session
                 victim = self._victim(keep, idle_s)
                 if victim is None:
                     if idle_s > 0:

@@ -17,7 +17,7 @@ from specdec.errors import InvalidArgument, Unavailable
 from specdec.grammar import GrammarSpec, GrammarState, LazyGrammarCompiler
 from specdec.grpc_util import ServerHandle, WorkTiming, abort_with, drain, start_server, translate_errors
 from specdec.logging_util import log
-from specdec.metrics import BatchMetrics, ModelServiceMetrics, export_calibration, serve_metrics
+from specdec.metrics import BatchMetrics, KVMetrics, ModelServiceMetrics, export_calibration, serve_metrics
 from specdec.sampling import MAX_TOP_LOGPROBS, SamplingConfig, SparseQ, TokenLogprob
 from specdec.session_ids import check_session_id
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -25,6 +25,7 @@ from target_service.batching import BatchReport, BatchScheduler
 from target_service.config import TargetServiceConfig
 from target_service.backends import cpu_info
 from target_service.calibration import CalibrationResult, calibrate
+from target_service import checks
 from target_service.calls import PrefillCall, PrefillOutcome, VerifyCall, VerifyOutcome
 from target_service.engine import TargetEngine
 from target_service.loading import pick_device, set_threads
@@ -92,6 +93,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         self.metrics = ModelServiceMetrics.create("target")
         self.metrics.queue_depth.set_function(lambda: self.worker.pending)  # live at every scrape (HPA input)
         self.batch_metrics = BatchMetrics.create(self.metrics.registry)
+        self.kv_metrics = KVMetrics.create(self.metrics.registry, "target")
         self._engine: TargetEngine | None = None
         self.calibration: CalibrationResult | None = None
         self.fingerprint = ""
@@ -106,6 +108,13 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         self.fingerprint = tokenizer_fingerprint
         self.calibration = calibration
         self.metrics.active_sessions.set_function(lambda: engine.num_sessions)  # exact at every scrape
+        m, kvm = self.kv_metrics, engine.kv
+        m.used_tokens.set_function(lambda: kvm.used_tokens)
+        m.budget_tokens.set_function(lambda: kvm.budget_tokens)
+        m.used_bytes.set_function(lambda: kvm.used_bytes)
+        m.budget_bytes.set_function(lambda: kvm.budget_bytes)
+        m.prefix_entries.set_function(lambda: engine.prefix.num_entries if engine.prefix else 0)
+        m.prefix_tokens.set_function(lambda: kvm.prefix_tokens)
         if calibration is not None:
             export_calibration(self.metrics.registry, calibration, cpu_info().isa if engine.device.type == "cpu" else str(engine.device))
 
@@ -156,6 +165,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
         if request.session_id:
             check_session_id(request.session_id)
+        checks.check_prompt_fits(len(ids), self.engine.max_context, self.engine.kv_budget_tokens)  # before any work
         if self.draining:
             raise Unavailable("the target replica is shutting down; create the session on another replica")
         grammar = await self._grammar(request)
@@ -175,7 +185,10 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         # A caller that goes after this point (its deadline or cancel racing
         # the reply) is not seen here: gRPC ends such a call OK on this side.
         # It releases the id it chose instead (docs/reliability.md).
-        self.metrics.observe("prefill", len(ids), t.queue_ms, t.compute_ms)
+        self.metrics.observe("prefill", len(ids) - out.cached_tokens, t.queue_ms, t.compute_ms)
+        if self.engine.prefix is not None:
+            self.kv_metrics.prefix_queries.inc(len(ids))
+            self.kv_metrics.prefix_hits.inc(out.cached_tokens)
         self._gauges()
         return target_pb2.PrefillResponse(
             session_id=out.session_id,
@@ -187,6 +200,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             next_token_logprobs=_logprobs(out.logprobs)[0] if out.logprobs else None,
             grammar_applied=grammar is not None,
             grammar_dead_end=out.dead_end,
+            cached_prompt_tokens=out.cached_tokens,
         )
 
     async def _grammar(self, request: target_pb2.PrefillRequest) -> GrammarState | None:
@@ -374,6 +388,9 @@ def load_engine(config: TargetServiceConfig) -> tuple[TargetEngine, str, Calibra
         kv_budget_tokens=config.kv_budget_tokens,
         kv_budget_bytes=config.kv_budget_bytes,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
+        prefill_share=config.prefill_share,
+        prefix_cache=config.prefix_cache,
+        prefix_cache_entries=config.prefix_cache_entries,
         protect_active_s=config.kv_protect_active_s,
         max_context_tokens=config.max_context_tokens,
         max_span=config.max_span,

@@ -233,3 +233,42 @@ def test_a_caller_gone_mid_prefill_stops_it_within_a_chunk(server_factory, how: 
         assert isinstance(out, grpc.aio.AioRpcError) and out.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     else:
         assert isinstance(out, (asyncio.CancelledError, grpc.aio.AioRpcError))
+
+
+def test_chunks_are_cut_to_a_share_of_the_co_tenants_step() -> None:
+    """While another session decodes, a chunk costs about ``share`` of its
+    decode steps, from the forward times measured so far (at least 4
+    tokens); alone, or before anything was measured, it is the full size."""
+    from target_service.chunking import ChunkSizer
+
+    sizer = ChunkSizer(256, 1.5)
+    assert sizer.size(True) == 256  # nothing measured yet
+    sizer.observe(decode=True, prefill=False, tokens=1, ms=30.0)
+    sizer.observe(decode=False, prefill=True, tokens=256, ms=1536.0)  # 6 ms a prompt token
+    assert sizer.size(False) == 256
+    assert sizer.size(True) == 7  # 1.5 × 30 ms / 6 ms
+    sizer.observe(decode=False, prefill=True, tokens=7, ms=70.0)  # small chunks cost more per token
+    assert sizer.size(True) == 5  # 45 ms / 8 ms
+    sizer.observe(decode=False, prefill=True, tokens=5, ms=400.0)
+    assert sizer.size(True) == 4  # never below 4
+    assert ChunkSizer(256, 0.0).size(True) == 256 and ChunkSizer(0, 1.5).size(True) == 0
+
+
+def test_a_long_prompt_takes_small_chunks_only_while_another_session_decodes(tiny_models) -> None:  # type: ignore[no-untyped-def]
+    """On the engine: with session A used within the last second, the next
+    prompt's chunks are cut below --prefill-chunk-tokens; once A has been
+    idle for a second, they are whole again. (On the tiny model a forward's
+    fixed cost dominates, ~8 ms a step against ~0.2 ms a prompt token, so
+    the share is set low enough for the cut to fall below 64.)"""
+    engine = TargetEngine(tiny_models.target, dtype="float32", prefill_chunk_tokens=64, prefill_share=0.3,
+                          prefix_cache=False)
+    a = engine.prefill(LONG[:40], SamplingConfig(), True)
+    v = engine.verify(a.session_id, a.cache_len, [a.next_token], [], [])
+    engine.verify(a.session_id, v.cache_len, [v.result.next_token], [], [])
+    engine.prefill(LONG, SamplingConfig(), True)  # measures a chunk's cost per token
+    assert engine.chunks.step_ms > 0 and engine.chunks.prefill_ms_per_token > 0
+    engine.kv.get(a.session_id)  # A is in use
+    cut = engine._chunk_tokens("new")
+    assert 4 <= cut < 64, (cut, engine.chunks.step_ms, engine.chunks.prefill_ms_per_token)
+    time.sleep(1.1)
+    assert engine._chunk_tokens("new") == 64

@@ -209,7 +209,10 @@ def test_a_server_fault_is_internal_and_backs_no_replica_off(tiny_models, tmp_pa
             s.generate(prompt_token_ids=[1, 2, 3], mode="off", max_new_tokens=4, temperature=1.0)
         assert _code(err.value) == grpc.StatusCode.INTERNAL, err.value
         assert "non-finite logits" in (err.value.details() or "")
-        m = _orch_metrics(s)
+        # the server counts the request just after the client has its status: wait for it
+        deadline = time.monotonic() + 10
+        while _sum(m := _orch_metrics(s), "specdec_requests_total", code="INTERNAL") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert _sum(m, "specdec_requests_total", code="INTERNAL") == 1
         assert _sum(m, "specdec_requests_total", code="UNAVAILABLE") == 0
         assert _sum(m, "specdec_orchestrator_upstream_failures_total") == 0

@@ -1,0 +1,93 @@
+"""The target's model runner: one forward pass over one session's cache, or
+over several sessions' caches padded into one batch. No sessions, no
+sampling, no KV policy (target_service/engine.py and kv_manager.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from target_service import kv_adapter as kv
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    cache: kv.DynamicCache  # the session's cache: ``past`` tokens before the forward, past + ids after
+    ids: Sequence[int]  # the tokens this forward appends
+    keep: int  # logits rows needed (the last ``keep`` positions of ``ids``)
+    past: int  # tokens already in ``cache``
+
+
+@torch.inference_mode()
+def forward(model: Any, device: torch.device, cache_kwarg: str, cache: kv.DynamicCache, ids: Sequence[int],
+            keep: int) -> torch.Tensor:
+    """Appends ``ids`` to ``cache``; returns the logits of the last ``keep``
+    positions, [keep, V] float32 (the LM head runs on those rows only)."""
+    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
+    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=keep, **{cache_kwarg: cache})
+    return out.logits[0, -keep:].float()
+
+
+@torch.inference_mode()
+def forward_batch(model: Any, device: torch.device, cache_kwarg: str, rows: Sequence[BatchRow]) -> list[torch.Tensor]:
+    """One forward pass over several sessions; returns each row's logits of
+    its last ``keep`` positions ([keep, V] float32) and leaves each
+    session's cache holding its past + ``ids`` (like :func:`forward`), as
+    views into the batched cache until the engine compacts them.
+
+    Layout, with P = max past and N = max new tokens: each session's past
+    KV is left-padded to P and its new tokens right-padded to N, so its real
+    positions are the contiguous range [P - past, P + n) of the batched
+    cache. A 2D attention mask zeroes the padding, position_ids carry each
+    row's own positions (past + j), and the causal mask (in cache
+    coordinates) does the rest. Padded query rows always see at least their
+    row's real tokens, so no softmax row is fully masked.
+    """
+    dev = device
+    b = len(rows)
+    p = max(r.past for r in rows)
+    n_max = max(len(r.ids) for r in rows)
+    input_ids = torch.zeros((b, n_max), dtype=torch.long)
+    positions = torch.empty((b, n_max), dtype=torch.long)
+    mask = torch.zeros((b, p + n_max), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r.ids)
+        input_ids[i, :n] = torch.tensor(r.ids, dtype=torch.long)
+        positions[i] = torch.arange(r.past, r.past + n_max)
+        mask[i, p - r.past : p + n] = 1
+    cache = kv.new_cache(model.config)
+    if p > 0:
+        ref = next(r for r in rows if r.past > 0).cache
+        for li in range(kv.num_layers(cache)):
+            src_k, src_v = kv.layer_kv(ref, li)
+            keys = src_k.new_zeros((b, src_k.shape[1], p, src_k.shape[3]))
+            values = src_v.new_zeros((b, src_v.shape[1], p, src_v.shape[3]))
+            for i, r in enumerate(rows):
+                if r.past:
+                    rk, rv = kv.layer_kv(r.cache, li)
+                    keys[i, :, p - r.past :] = rk[0]
+                    values[i, :, p - r.past :] = rv[0]
+            kv.set_layer_kv(cache, li, keys, values)
+    first = min(len(r.ids) - r.keep for r in rows)  # earliest position whose logits are needed
+    out = model(
+        input_ids=input_ids.to(dev),
+        attention_mask=mask.to(dev),
+        position_ids=positions.to(dev),
+        use_cache=True,
+        logits_to_keep=n_max - first,
+        **{cache_kwarg: cache},
+    )
+    logits: list[torch.Tensor] = []
+    for i, r in enumerate(rows):
+        n = len(r.ids)
+        lo = n - r.keep - first
+        logits.append(out.logits[i, lo : lo + r.keep].float())
+        for li in range(kv.num_layers(cache)):
+            keys, values = kv.layer_kv(cache, li)
+            # views into the batched cache until _compact copies them out
+            kv.set_layer_kv(r.cache, li, keys[i : i + 1, :, p - r.past : p + n],
+                            values[i : i + 1, :, p - r.past : p + n])
+    return logits
+
