@@ -26,7 +26,7 @@ if str(REPO) not in sys.path:
 from draft_service.cli import MODEL_DRAFTER, PROMPT_LOOKUP_DRAFTER  # noqa: E402
 from specdec.models import DEFAULT_TARGET  # noqa: E402
 from specdec_app.bench import launched_stack  # noqa: E402
-from specdec_app.loadbench import child_service_pids  # noqa: E402
+from specdec_app.loadbench import _f as fmt, child_service_pids  # noqa: E402,F401  (fmt: for the scripts)
 from tests.stack import make_request, scrape_metrics  # noqa: E402
 
 #: tests/conftest.py's tiny vocabulary: --tiny text is lower-cased and cut to it
@@ -288,10 +288,6 @@ def request(a: argparse.Namespace, *, max_new: int, mode: str | None = None, pro
     """A greedy GenerateRequest in ``mode`` (default ``a.mode``; γ = the server's default)."""
     return make_request(prompt_token_ids=prompt_ids, messages=messages, max_new_tokens=max_new,
                         mode=mode or a.mode, gamma=0, ignore_eos=ignore_eos)
-
-
-def fmt(x: float | None, spec: str = ".0f") -> str:
-    return "–" if x is None else format(x, spec)
 
 
 def up_label(tiny: bool, up_args: str) -> str:
