@@ -107,12 +107,9 @@ class Soak:
     def build_models(self) -> tuple[Path, Path]:
         if self.a.target_model and self.a.draft_model:
             return Path(self.a.target_model), Path(self.a.draft_model)
-        from tests.tiny import build_tiny_model
+        from tests.tiny import build_tiny_pair
 
-        root = self.out / "models"
-        target = build_tiny_model(root / "target", chars=CHARS, seed=1)
-        draft = build_tiny_model(root / "draft", chars=CHARS, seed=11, base_dir=target, noise=DRAFT_NOISE)
-        return target, draft
+        return build_tiny_pair(self.out / "models", chars=CHARS, draft_noise=DRAFT_NOISE)
 
     def make_services(self, target: Path, draft: Path) -> None:
         logs = self.out / "logs"

@@ -321,11 +321,12 @@ def run_bench(a: argparse.Namespace, orch: str, target: str) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def launched_stack(
-    a: argparse.Namespace, extra: Sequence[str] = (), base_port: int = 50061
+    a: argparse.Namespace, extra: Sequence[str] = (), base_port: int = 50061, log: Path | None = None
 ) -> Iterator[tuple["subprocess.Popen[bytes]", dict[str, str]]]:
     """Runs `specdec up` (orchestrator on ``base_port``, draft +1, target +2)
     with ``a``'s model flags, ``extra`` flags and ``a.up_args``; yields the
-    process and the service addresses once all are SERVING, stops it after."""
+    process and the service addresses once all are SERVING, stops it after.
+    ``log``: the stack's output goes to this file (appended) instead of ours."""
     ready = Path(tempfile.mkdtemp()) / "ready.json"
     cmd = [sys.executable, "-m", "specdec_app.cli", "up", "--ready-file", str(ready),
            "--port", str(base_port), "--draft-port", str(base_port + 1), "--target-port", str(base_port + 2)]
@@ -338,11 +339,14 @@ def launched_stack(
     if a.cache_dir:
         cmd += ["--cache-dir", str(a.cache_dir)]
     cmd += list(extra) + shlex.split(a.up_args)
-    proc = subprocess.Popen(cmd)
+    out = open(log, "ab") if log is not None else None  # noqa: SIM115 (the child holds it)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out is not None else None)
+    if out is not None:
+        out.close()
     try:
         while not ready.exists():
             if proc.poll() is not None:
-                raise SystemExit("specdec up failed")
+                raise SystemExit(f"specdec up failed{f' (its output: {log})' if log is not None else ''}")
             time.sleep(1)
         yield proc, json.loads(ready.read_text())
     finally:

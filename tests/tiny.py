@@ -189,3 +189,11 @@ def build_tiny_model(
     # keep the vocabulary spec next to the weights for humans
     (out / "tiny.json").write_text(json.dumps({"chars": chars, "merges": list(merges), "seed": seed, "noise": noise}))
     return out
+
+
+def build_tiny_pair(root: Path | str, *, chars: str, draft_noise: float = 0.15) -> tuple[Path, Path]:
+    """tests/conftest.py's tiny target (seed 1) and its correlated draft (seed
+    11, ``draft_noise``) under ``root``: the pair the scripts' tiny stacks run
+    (their ONNX export is the tests' own, so a shared cache directory hits it)."""
+    target = build_tiny_model(Path(root) / "target", chars=chars, seed=1)
+    return target, build_tiny_model(Path(root) / "draft", chars=chars, seed=11, base_dir=target, noise=draft_noise)
