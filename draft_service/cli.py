@@ -56,6 +56,9 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "", *, spin_defau
           help="draft: the KV budget in bytes (K+V of all layers); > 0 replaces --kv-budget-tokens")
     f.add("kv-protect-active", dest="draft_kv_protect", type=float, default=10.0,
           help="draft: seconds a used session is protected from eviction for the KV budget (0 = plain LRU)")
+    f.add("max-cache-tokens", dest="draft_max_cache", type=int, default=0,
+          help="draft: one session's KV limit (0 = the model's context length, capped at the KV budget); on CUDA "
+               "each session's buffer is preallocated at this size and counted whole in the budget")
     f.add("prefix-cache", dest="draft_prefix_cache", action=argparse.BooleanOptionalAction, default=True,
           help="draft: start new sessions from the KV of released ones sharing a prefix (chat turns, "
                "system prompts)")
@@ -107,7 +110,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> DraftServiceConfig:
         allow_spinning=a.draft_spin == "on", metrics_port=a.metrics_port, metrics_host=a.metrics_host,
         health_port=a.health_port, tls=server_tls(a), max_queue=a.max_queue,
         kv_budget_tokens=a.draft_kv_budget, kv_budget_bytes=a.draft_kv_budget_bytes,
-        kv_protect_active_s=a.draft_kv_protect, prefix_cache=a.draft_prefix_cache,
+        kv_protect_active_s=a.draft_kv_protect, prefix_cache=a.draft_prefix_cache, max_cache_tokens=a.draft_max_cache,
     )
 
 

@@ -73,6 +73,7 @@ class PrefixEntry:
     cache: KVCache
     bytes_per_token: int
     drafter: str  # the drafter that stored it (metrics labels)
+    cost: int = 0  # what it takes of the budget (set by the store)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -98,6 +99,7 @@ class PrefixCache:
         self.hits_tokens: dict[str, int] = {}  # per drafter: tokens taken from an entry
         self.evictions = 0
         self.stored = 0
+        self.cost = 0  # the entries' budget units
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -141,8 +143,9 @@ class PrefixCache:
         recently used beyond ``max_entries``."""
         for key in [k for k, e in self._entries.items() if e.model is entry.model
                     and common_prefix(e.tokens, entry.tokens) == len(e.tokens)]:
-            del self._entries[key]
+            self.cost -= self._entries.pop(key).cost
         self._entries[self._next] = entry
+        self.cost += entry.cost
         self._next += 1
         self.stored += 1
         while len(self._entries) > self.max_entries:
@@ -153,10 +156,8 @@ class PrefixCache:
             return None
         _, e = self._entries.popitem(last=False)
         self.evictions += 1
+        self.cost -= e.cost
         return e
-
-    def clear(self) -> None:
-        self._entries.clear()
 
 
 @dataclass(frozen=True)

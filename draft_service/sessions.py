@@ -56,6 +56,7 @@ class DraftSession:
     closed: bool = False  # released, ended or evicted: its state is no longer this session's
     keep_prefix: bool = False  # closed by a release: its KV goes to the prefix cache once no call runs
     reserved: int = 0  # tokens its cache is about to hold (set before a call's cache grows)
+    counted: int = 0  # budget units the store counts for it (recounted after each call)
     cached_tokens: int = 0  # context tokens its state took from the prefix cache (this session's life)
 
     def constraint(self, context: Sequence[int]) -> GrammarState | None:
@@ -114,6 +115,7 @@ class SessionStore:
         self.protect_active_s = protect_active_s
         self.prefixes = prefixes
         self.session_evictions = 0  # idle sessions evicted for the budget
+        self._session_units = 0  # Σ counted over the sessions (the budget check never scans them)
         self._clock = clock
         self._sessions: dict[str, DraftSession] = {}
         self._lock = threading.Lock()
@@ -158,6 +160,8 @@ class SessionStore:
             if ks is not None:
                 ks.hooks = SessionKV(self, session)
             self._sessions[sid] = session
+            session.counted = need
+            self._session_units += need
             self.created_total += 1
         return session
 
@@ -179,7 +183,8 @@ class SessionStore:
                 self._tombstones.add(session_id)
                 raise NotFound(f"unknown draft session {session_id!r}")
             self.released_total += 1
-            session.closed = session.keep_prefix = True
+            self._drop_locked(session)
+            session.keep_prefix = True
             if session.busy == 0:
                 self._retire_locked(session)
 
@@ -200,7 +205,7 @@ class SessionStore:
         expired = [sid for sid, s in self._sessions.items()
                    if not s.streamed and not s.busy and now - s.last_used > self.ttl_s]
         for sid in expired:
-            self._sessions.pop(sid).closed = True
+            self._drop_locked(self._sessions.pop(sid))
         if expired:
             self.reaped_total += len(expired)
             log(logger, logging.INFO, "reaped idle draft sessions", count=len(expired), ttl_s=self.ttl_s)
@@ -255,8 +260,30 @@ class SessionStore:
             with self._lock:
                 session.busy -= 1
                 session.reserved = 0
+                self._recount_locked(session)
                 if session.closed and session.busy == 0 and session.keep_prefix:
                     self._retire_locked(session)
+
+    def _recount_locked(self, session: DraftSession) -> None:
+        if not session.closed:
+            held = self._held(session)
+            self._session_units += held - session.counted
+            session.counted = held
+
+    def _drop_locked(self, session: DraftSession) -> None:
+        """``session`` has left the table: it no longer counts."""
+        session.closed = True
+        self._session_units -= session.counted
+        session.counted = 0
+
+    @property
+    def used_units(self) -> int:
+        """Budget units held (what the budget checks use; ``usage().used`` recounts them)."""
+        with self._lock:
+            return self._used_locked()
+
+    def _used_locked(self) -> int:
+        return self._session_units + (self.prefixes.cost if self.prefixes is not None else 0)
 
     def _held(self, session: DraftSession) -> int:
         """Budget units ``session`` takes now (its reservation included)."""
@@ -300,20 +327,20 @@ class SessionStore:
         holding KV."""
         now = self._clock()
         idle = [s for s in self._sessions.values() if s is not keep and not s.busy and not s.streamed
-                and now - s.last_used >= self.protect_active_s and self._held(s) > 0]
+                and now - s.last_used >= self.protect_active_s and s.counted > 0]
         return min(idle, key=lambda s: s.last_used, default=None)
 
     def _make_room_locked(self, session: DraftSession, need: int, what: str) -> None:
         """Room for ``need`` more budget units for ``session``: stored prefixes
         go first, then idle sessions; else RESOURCE_EXHAUSTED."""
         while True:
-            usage = self._usage_locked()
-            if usage.used + need <= self.budget.limit:
+            if self._used_locked() + need <= self.budget.limit:
                 return
             if self.prefixes is not None and self.prefixes.pop_lru() is not None:
                 continue
             victim = self._victim_locked(session)
             if victim is None:
+                usage = self._usage_locked()
                 unit = self.budget.unit
                 raise ResourceExhausted(
                     f"{what} needs {need} more draft KV {unit}: {usage.used} of this draft replica's budget of "
@@ -323,7 +350,7 @@ class SessionStore:
                     f"another replica"
                 )
             del self._sessions[victim.id]
-            victim.closed = True
+            self._drop_locked(victim)
             self.session_evictions += 1
             log(logger, logging.INFO, "evicted idle draft session for the KV budget", session_id=victim.id)
 
@@ -332,12 +359,15 @@ class SessionStore:
         if model is None:
             return
         with self._lock:
-            before = self._held(session)
+            if session.closed:  # released meanwhile: no more work for it
+                raise NotFound(f"draft session {session.id!r} was released or evicted")
+            before = session.counted
             after = self.budget.cost(model.held_tokens(state.cache, tokens), model.kv_bytes_per_token)
             if after > before:
                 self._make_room_locked(session, after - before, f"draft session {session.id!r} growing to "
                                        f"{tokens} tokens")
             session.reserved = max(session.reserved, tokens)
+            self._recount_locked(session)
 
     def _seed(self, session: DraftSession, state: KVState, context: Sequence[int]) -> int:
         model = session.drafter.kv_model
@@ -370,12 +400,12 @@ class SessionStore:
         n = ks.cache.length
         if n < MIN_PREFIX_TOKENS or n != len(ks.tokens):
             return
-        entry = PrefixEntry(model, list(ks.tokens), ks.cache, model.kv_bytes_per_token, session.drafter.name)
+        bpt = model.kv_bytes_per_token
+        entry = PrefixEntry(model, list(ks.tokens), ks.cache, bpt, session.drafter.name, self.budget.cost(n, bpt))
         ks.hooks = None
         if self.prefixes.covered(entry):
             return
-        cost = self.budget.cost(n, entry.bytes_per_token)
-        while self._usage_locked().used + cost > self.budget.limit:
+        while self._used_locked() + entry.cost > self.budget.limit:
             if self.prefixes.pop_lru() is None:
                 return  # the sessions hold the budget: not stored
         self.prefixes.put(entry)

@@ -82,7 +82,7 @@ def test_budget_evicts_prefixes_first_then_idle_sessions_lru_never_active_ones(d
     assert s.get(f.id).committed == []  # a refused call changes nothing
     clock.t += 20
     s.propose(f.id, 0, prompt(40, 11), 4)  # now the idle ones give way
-    assert s.usage().used <= 100
+    assert s.usage().used <= 100 and s.used_units == s.usage().used  # the running count is the recount
 
 
 def test_model_free_drafters_hold_no_kv() -> None:
@@ -115,6 +115,7 @@ def test_a_prefix_hit_skips_its_prefill_and_drafts_what_a_cold_session_drafts(dr
     for (hi, hp), (mi, mp) in zip(hit.q, miss.q):
         assert hi.tolist() == mi.tolist() and hp.tolist() == mp.tolist()
     assert warm.prefixes.queries_tokens["tiny"] == 48 + 52 and warm.prefixes.hits_tokens["tiny"] == 40
+    assert warm.used_units == warm.usage().used == 51 + 57
     # the hit's own later rounds go on as usual (the copy is the session's own)
     sid = warm.create(drafter, GREEDY).id
     again = warm.propose(sid, 0, ctx, 6).proposal
@@ -232,12 +233,13 @@ def test_flags_reach_the_config_through_specdec_up() -> None:
     from specdec_app.up import child_commands
 
     a = build_parser().parse_args(["up", "--draft-kv-budget-tokens", "1000", "--draft-kv-protect-active", "0",
-                                   "--no-draft-prefix-cache"])
+                                   "--no-draft-prefix-cache", "--draft-max-cache-tokens", "512"])
     cmds, _ = child_commands(a, "/tmp/cache")
     draft = cmds["draft"]
     assert draft[draft.index("--kv-budget-tokens") + 1] == "1000" and "--no-prefix-cache" in draft
     served = build_parser().parse_args(draft[draft.index("serve"):])
     cfg = config_from_args(served, 1)
-    assert (cfg.kv_budget_tokens, cfg.kv_budget_bytes, cfg.kv_protect_active_s, cfg.prefix_cache) == (1000, 0, 0.0, False)
+    assert (cfg.kv_budget_tokens, cfg.kv_budget_bytes, cfg.kv_protect_active_s, cfg.prefix_cache,
+            cfg.max_cache_tokens) == (1000, 0, 0.0, False, 512)
     on = config_from_args(build_parser().parse_args(["serve", "draft"]), 1)
     assert (on.kv_budget_tokens, on.kv_protect_active_s, on.prefix_cache) == (65_536, 10.0, True)
