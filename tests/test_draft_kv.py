@@ -243,3 +243,28 @@ def test_flags_reach_the_config_through_specdec_up() -> None:
             cfg.max_cache_tokens) == (1000, 0, 0.0, False, 512)
     on = config_from_args(build_parser().parse_args(["serve", "draft"]), 1)
     assert (on.kv_budget_tokens, on.kv_protect_active_s, on.prefix_cache) == (65_536, 10.0, True)
+
+
+@pytest.mark.parametrize("draft_mode", ["unary", "stream"])
+def test_a_full_draft_budget_runs_rounds_target_only_without_backing_the_replica_off(
+    tiny_models: TinyModels, onnx_cache_dir: Any, draft_mode: str
+) -> None:
+    """Another session holds most of the draft's budget and stays active:
+    the request's draft calls get RESOURCE_EXHAUSTED, its rounds fall back to
+    target-only (same greedy tokens), and the draft replica is not backed off."""
+    from tests.stack import start_stack
+
+    st = start_stack(tiny_models.target, tiny_models.draft, onnx_cache_dir,
+                     draft_overrides={"kv_budget_tokens": 64, "kv_protect_active_s": 1e6})
+    try:
+        off = st.generate(prompt="hello world", mode="off", max_new_tokens=40)
+        hog = st.draft_stub().CreateSession(draft_pb2.CreateDraftSessionRequest()).session_id
+        st.draft_stub().Propose(_propose(hog, prompt(40, 16), 4))  # 43 of the 64 tokens, never idle
+        spec = st.generate(prompt="hello world", mode="fixed", gamma=4, max_new_tokens=40, draft_mode=draft_mode)
+        assert spec["token_ids"] == off["token_ids"]
+        assert spec["stats"].draft_failures > 0 and spec["stats"].draft_tokens > 0  # drafted until the budget ran out
+        (replica,) = st.orchestrator.servicer.draft.pool.replicas.values()
+        assert replica.failures == 0 and replica.available(st.orchestrator.servicer.draft.pool.clock())
+        st.draft_stub().Release(common_pb2.ReleaseRequest(session_id=hog))
+    finally:
+        st.close()
