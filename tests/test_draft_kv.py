@@ -26,8 +26,12 @@ from specdec.errors import NotFound, ResourceExhausted
 from specdec.sampling import SamplingConfig
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
+from tests.test_drafters_e2e import multi_stack, tli_models  # noqa: F401  (fixtures)
+
 if TYPE_CHECKING:
     from tests.conftest import TinyModels, TinyOnnx
+    from tests.stack import Stack
+    from tests.test_drafters_e2e import TliModels
 
 GREEDY = SamplingConfig()
 
@@ -268,3 +272,19 @@ def test_a_full_draft_budget_runs_rounds_target_only_without_backing_the_replica
         st.draft_stub().Release(common_pb2.ReleaseRequest(session_id=hog))
     finally:
         st.close()
+
+
+def test_a_different_tokenizer_drafter_reuses_its_draft_ids_prefix(multi_stack: Stack, tli_models: TliModels) -> None:
+    """tli keys its entries by the draft model's ids (the re-tokenized text): a
+    second session on the same text takes them and drafts the same tokens."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(tli_models.target)).encode("the thin winter, the other tower, the end")
+    stub = multi_stack.draft_stub()
+    replies = []
+    for _ in range(2):
+        sid = stub.CreateSession(draft_pb2.CreateDraftSessionRequest(drafter="tli")).session_id
+        replies.append(stub.Propose(_propose(sid, ids, 4)))
+        stub.Release(common_pb2.ReleaseRequest(session_id=sid))
+    assert replies[0].cached_prompt_tokens == 0 and replies[1].cached_prompt_tokens > 0
+    assert list(replies[1].token_ids) == list(replies[0].token_ids) and len(replies[0].token_ids) > 0
