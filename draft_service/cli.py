@@ -49,6 +49,19 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "", *, spin_defau
           help=f"model of the {TLI_DRAFTER} (different-tokenizer) drafter")
     f.add("tli-precision", dest="tli_precision", default="int4", choices=PRECISIONS,
           help=f"ONNX export precision of the {TLI_DRAFTER} drafter")
+    f.add("kv-budget-tokens", dest="draft_kv_budget", type=int, default=65_536,
+          help="draft: KV tokens over all draft sessions and stored prefixes (idle sessions are evicted, "
+               "else RESOURCE_EXHAUSTED: the round runs target-only)")
+    f.add("kv-budget-bytes", dest="draft_kv_budget_bytes", type=int, default=0,
+          help="draft: the KV budget in bytes (K+V of all layers); > 0 replaces --kv-budget-tokens")
+    f.add("kv-protect-active", dest="draft_kv_protect", type=float, default=10.0,
+          help="draft: seconds a used session is protected from eviction for the KV budget (0 = plain LRU)")
+    f.add("max-cache-tokens", dest="draft_max_cache", type=int, default=0,
+          help="draft: one session's KV limit (0 = the model's context length, capped at the KV budget); on CUDA "
+               "each session's buffer is preallocated at this size and counted whole in the budget")
+    f.add("prefix-cache", dest="draft_prefix_cache", action=argparse.BooleanOptionalAction, default=True,
+          help="draft: start new sessions from the KV of released ones sharing a prefix (chat turns, "
+               "system prompts)")
     return f
 
 
@@ -96,6 +109,8 @@ def config_from_args(a: argparse.Namespace, port: int) -> DraftServiceConfig:
         intra_op_threads=a.draft_threads, execution=a.draft_execution, cache_dir=a.cache_dir,
         allow_spinning=a.draft_spin == "on", metrics_port=a.metrics_port, metrics_host=a.metrics_host,
         health_port=a.health_port, tls=server_tls(a), max_queue=a.max_queue,
+        kv_budget_tokens=a.draft_kv_budget, kv_budget_bytes=a.draft_kv_budget_bytes,
+        kv_protect_active_s=a.draft_kv_protect, prefix_cache=a.draft_prefix_cache, max_cache_tokens=a.draft_max_cache,
     )
 
 

@@ -52,7 +52,14 @@ class DraftServiceConfig:
     execution: str = "auto"  # auto | cpu | cuda
     cache_dir: Path | None = None  # model + ONNX cache; None = specdec.models.default_cache_dir()
     session_ttl_s: float = 600.0  # idle sessions are reaped after this
-    max_cache_tokens: int = 0  # per-session KV limit; 0 = the model's context length
+    max_cache_tokens: int = 0  # per-session KV limit; 0 = the model's context length (capped at the KV budget)
+    # The KV budget over all sessions and stored prefixes (draft_service/draft_kv.py):
+    # in tokens, or in bytes when kv_budget_bytes > 0.
+    kv_budget_tokens: int = 65_536
+    kv_budget_bytes: int = 0
+    kv_protect_active_s: float = 10.0  # a session used within this is never evicted for the budget (0 = plain LRU)
+    prefix_cache: bool = True  # released sessions' KV is reused by new sessions sharing a prefix
+    prefix_cache_entries: int = 64  # stored prefixes at most (they also count in the KV budget)
     max_queue: int = 256  # pending model jobs before RESOURCE_EXHAUSTED
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     warmup: bool = True
@@ -93,6 +100,10 @@ class DraftServiceConfig:
             raise ValueError(f"default_drafter {self.default_drafter!r} is not one of {names}")
         if self.max_span < 1 or self.max_support < 1 or self.max_sessions < 1:
             raise ValueError("max_span, max_support and max_sessions must be >= 1")
+        if self.kv_budget_tokens < 1 and self.kv_budget_bytes < 1:
+            raise ValueError("kv_budget_tokens (or kv_budget_bytes) must be >= 1")
+        if self.kv_budget_bytes < 0 or self.kv_protect_active_s < 0 or self.prefix_cache_entries < 1:
+            raise ValueError("kv_budget_bytes and kv_protect_active_s must be >= 0, prefix_cache_entries >= 1")
         if self.execution not in ("auto", "cpu", "cuda"):
             raise ValueError(f"execution must be auto, cpu or cuda, got {self.execution!r}")
 

@@ -40,6 +40,7 @@ class Proposal:
     # per drafted token: the draft's largest probability at temperature 1
     # before truncation (1.0 for model-free hits)
     confidence: list[float] = field(default_factory=list)
+    cached_tokens: int = 0  # context tokens a fresh state took from the prefix cache instead of feeding
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,11 @@ class Drafter(ABC):
     vocab_size: int
     max_context_tokens: int
     inline: bool = False
+    kv_model: OnnxCausalLM | None = None  # the model whose KV the states hold (None: no KV)
+
+    def kv_state(self, state: Any) -> KVState | None:
+        """The part of ``state`` holding KV (None for a model-free drafter)."""
+        return None
 
     @abstractmethod
     def new_state(self) -> Any:
@@ -105,11 +111,26 @@ class DraftState:
 
     cache: KVCache
     tokens: list[int] = field(default_factory=list)
+    hooks: KVHooks | None = None  # the session store's budget and prefix cache
 
     def reset(self) -> None:
         """Empties the cache and its token list together."""
         self.cache.crop(0)
         self.tokens.clear()
+
+
+class KVHooks(Protocol):
+    """What a session's store lets :class:`DraftLoop` do with its state's KV."""
+
+    def seed(self, state: KVState, context: Sequence[int]) -> int:
+        """Fills an empty ``state`` from a stored prefix of ``context`` (at
+        most ``len(context) - 1`` tokens); returns how many (0: no hit)."""
+        ...
+
+    def reserve(self, state: KVState, tokens: int) -> None:
+        """``state`` is about to hold ``tokens``: makes room in the KV budget
+        or raises ResourceExhausted (before anything is changed)."""
+        ...
 
 
 class KVState(Protocol):
@@ -119,6 +140,7 @@ class KVState(Protocol):
 
     cache: KVCache
     tokens: list[int]
+    hooks: KVHooks | None
 
     def reset(self) -> None: ...
 
@@ -215,6 +237,11 @@ class DraftLoop:
         gamma = min(req.num_tokens, self.model.max_cache_tokens - len(context) + 1)
         if not context or gamma < 1:
             return Proposal([], [])
+        cached = 0
+        if state.hooks is not None:
+            if not state.tokens:  # a fresh (or reset) state: start from a stored prefix if one matches
+                cached = state.hooks.seed(state, context)
+            state.hooks.reserve(state, len(context) + gamma - 1)  # what the cache holds at most after the loop
         keep = min(common_prefix_len(state.tokens, context), len(context) - 1)
         try:
             state.cache.crop(keep)
@@ -251,7 +278,7 @@ class DraftLoop:
             # never leave the cache and the token list out of step
             state.reset()
             raise
-        return Proposal(ids, qs, fed, conf)
+        return Proposal(ids, qs, fed, conf, cached)
 
 
 class OnnxDrafter(Drafter):
@@ -277,9 +304,13 @@ class OnnxDrafter(Drafter):
         self.eos_token_ids = list(eos_token_ids) or list(model.eos_token_ids)
         self.max_context_tokens = model.max_cache_tokens
         self.loop = DraftLoop(model, max_support)
+        self.kv_model = model
 
     def new_state(self) -> DraftState:
         return DraftState(cache=self.model.new_state())
+
+    def kv_state(self, state: DraftState) -> DraftState:
+        return state
 
     def draft(self, state: DraftState, req: DraftRequest) -> Proposal:
         """Drafts on ``req.committed``; fewer tokens near the context limit or

@@ -205,6 +205,47 @@ class OnnxCausalLM:
             state.arrays = {past: empty for past, _ in self.kv_pairs}
         return state
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes of one token over all layers."""
+        item = 2 if self.kv_dtype is None else np.dtype(self.kv_dtype).itemsize
+        return len(self.kv_pairs) * self.num_kv_heads * self.head_size * item
+
+    @property
+    def can_clone_prefix(self) -> bool:
+        """Whether :meth:`clone_prefix` works here (host caches only: on CUDA
+        the prefix cache is off)."""
+        return self.device == "cpu"
+
+    def held_tokens(self, state: KVCache, length: int | None = None) -> int:
+        """Tokens ``state`` takes of a KV budget when it holds ``length``
+        (default: what it holds now): on CUDA its preallocated buffer,
+        reserved from creation; on the host what it holds."""
+        n = state.length if length is None else length
+        return max(state.capacity, n) if self.device == "cuda" else n
+
+    def clone_prefix(self, src: KVCache, n: int) -> KVCache:
+        """A new state holding ``src``'s first ``n`` positions (``src`` is
+        left as it is). Concat mode shares the arrays (never written in
+        place); a shared buffer is copied into a fresh one."""
+        if not 0 < n <= src.length:
+            raise ValueError(f"clone_prefix({n}) outside [1, {src.length}]")
+        if not self.can_clone_prefix:
+            raise ValueError("prefix reuse needs a host KV cache")
+        state = KVCache()
+        if self.shared_buffer:
+            cap = min(self.max_cache_tokens, max(_DEFAULT_CPU_CAPACITY, 1 << (n - 1).bit_length()))
+            shape = (1, self.num_kv_heads, max(cap, n), self.head_size)
+            for past, _ in self.kv_pairs:
+                arr = np.zeros(shape, dtype=self.kv_dtype)
+                arr[:, :, :n, :] = src.shared[past][1][:, :, :n, :]  # type: ignore[index]
+                state.shared[past] = (ort.OrtValue.ortvalue_from_numpy(arr), arr)
+            state.capacity = shape[2]
+        else:
+            state.arrays = {k: v[:, :, :n, :] for k, v in src.arrays.items()}
+        state.length = n
+        return state
+
     def _alloc_shared(self, state: KVCache, capacity: int) -> None:
         shape = (1, self.num_kv_heads, capacity, self.head_size)
         new: dict[str, tuple[ort.OrtValue, np.ndarray | None]] = {}

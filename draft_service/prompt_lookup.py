@@ -173,6 +173,10 @@ class AutoDrafter(Drafter):
         self.min_ngram = min_ngram
         self.threshold = threshold
         self.decay = decay
+        self.kv_model = model.kv_model
+
+    def kv_state(self, state: AutoState) -> Any:
+        return self.model.kv_state(state.model)
 
     def new_state(self) -> AutoState:
         return AutoState(self.lookup.new_state(), self.model.new_state())

@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 
 from draft_service.config import DrafterSpec, DraftServiceConfig
+from draft_service.draft_kv import DraftKVCollector, KVBudget, PrefixCache, register_kv_metrics
 from draft_service.drafter import Drafter, OnnxDrafter
 from draft_service.session_stream import SessionStream
 from draft_service.sessions import ProposeResult, SessionStore, grammar_state
@@ -85,6 +86,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self.metrics.queue_depth.set_function(lambda: self.worker.pending)  # live at every scrape (HPA input)
         self.draining = False  # set on SIGTERM: no new sessions, existing ones are served
         self.metrics.active_sessions.set_function(lambda: len(self.sessions))  # exact at every scrape
+        register_kv_metrics(self.metrics.registry, DraftKVCollector(
+            sessions.usage, sessions.budget, lambda: sessions.prefixes, sessions.evictions))
         self._streams = SessionStream(sessions, worker, self.metrics, self._get, lambda: self.draining, self.proposals)
 
     def attach(self, drafters: dict[str, LoadedDrafter]) -> None:
@@ -168,6 +171,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             timings=_timings(timing),
             confidence=p.confidence,
             drafter=session.drafter.name,
+            cached_prompt_tokens=p.cached_tokens,
         )
 
     async def Session(
@@ -215,6 +219,10 @@ class DraftServer:
             await self.reaper
         await self.handle.stop(grace)
         self.worker.shutdown()
+
+
+def _budget(config: DraftServiceConfig) -> KVBudget:
+    return KVBudget(config.kv_budget_tokens, config.kv_budget_bytes)
 
 
 def _drafter_hf_dir(spec: DrafterSpec, cache_dir: Path) -> tuple[Path, str]:
@@ -296,6 +304,8 @@ def _load_onnx_model(spec: DrafterSpec, config: DraftServiceConfig) -> tuple[Any
         allow_spinning=config.allow_spinning,
         max_cache_tokens=config.max_cache_tokens or None,
     )
+    # one cache never holds more than the whole KV budget (on CUDA: the buffer preallocated per session)
+    model.max_cache_tokens = min(model.max_cache_tokens, _budget(config).max_tokens(model.kv_bytes_per_token))
     return model, hf_dir, model_name
 
 
@@ -425,7 +435,11 @@ async def start(config: DraftServiceConfig) -> DraftServer:
     drafter off the event loop, then flips health to SERVING."""
     config.validate()
     worker = ModelWorker("draft-model", max_queue=config.max_queue)
-    sessions = SessionStore(config.max_sessions, config.session_ttl_s, config.max_span)
+    sessions = SessionStore(
+        config.max_sessions, config.session_ttl_s, config.max_span, budget=_budget(config),
+        protect_active_s=config.kv_protect_active_s,
+        prefixes=PrefixCache(config.prefix_cache_entries) if config.prefix_cache else None,
+    )
     servicer = DraftServicer(config, worker, sessions)
     handle = await start_server(
         lambda server: draft_pb2_grpc.add_DraftServicer_to_server(servicer, server),

@@ -208,8 +208,9 @@ class SessionStream:
 
     async def _run(self, session: DraftSession, step: Step) -> tuple[Proposal, WorkTiming]:
         def propose() -> Proposal:
-            return session.drafter.propose(session.state, step.context, step.num_tokens, session.cfg, session.rng, 0.0,
-                                           session.constraint(step.context))
+            with self.sessions.using(session):  # NOT_FOUND once the stream's session has ended
+                return session.drafter.propose(session.state, step.context, step.num_tokens, session.cfg,
+                                               session.rng, 0.0, session.constraint(step.context))
 
         if session.drafter.inline:
             started = time.perf_counter()

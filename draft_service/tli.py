@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from draft_service.drafter import Drafter, DraftLoop, DraftRequest, Proposal, common_prefix_len
+from draft_service.drafter import Drafter, DraftLoop, DraftRequest, KVHooks, Proposal, common_prefix_len
 from draft_service.onnx_model import KVCache, OnnxCausalLM
 from draft_service.vocab_map import TokenTable, VocabMap
 
@@ -158,6 +158,7 @@ class TliState:
     context: RetokenizedContext
     cache: KVCache
     tokens: list[int] = field(default_factory=list)  # draft ids held by ``cache``
+    hooks: KVHooks | None = None  # the session store's budget and prefix cache (keyed by draft ids)
 
     def reset(self) -> None:
         """Empties the cache and its token list and starts a new context:
@@ -229,6 +230,10 @@ class TliDrafter(Drafter):
             raise ValueError("the draft and target vocabularies do not intersect")
         self.inter_target = vocab_map.draft_to_target[inter].astype(np.int32)  # [M] target ids of the intersection
         self.loop = DraftLoop(model, max_support, Intersection(inter.astype(np.int64), self.inter_target))
+        self.kv_model = model
+
+    def kv_state(self, state: TliState) -> TliState:
+        return state
 
     def new_state(self) -> TliState:
         ctx = RetokenizedContext(self.map.target, self.map.draft, self.tokenize, self.lookbehind)

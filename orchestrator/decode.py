@@ -28,7 +28,9 @@ from orchestrator.protocols import (
     DraftClient, DraftStream, PostToken, ProposeReply, RoundSink, SessionOptions, TargetClient, VerifyReply,
 )
 from specdec.draft_chain import ChainToken, ChainTracker, StreamFault
-from specdec.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, SpecdecError, Unavailable
+from specdec.errors import (
+    DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError, Unavailable,
+)
 from specdec.logging_util import log
 from specdec.sampling import SamplingConfig, SparseQ, TokenLogprob
 
@@ -400,7 +402,8 @@ class Decoder:
             await self.stream.commit(self.stream_version, self.committed[self.stream_known:], self._draft_until(gamma),
                                      min_conf)
         except SpecdecError as e:
-            self._drop_stream(f"draft stream commit failed: {e.message}", fault=False)
+            self._drop_stream(f"draft stream commit failed: {e.message}", fault=False,
+                              back_off=not isinstance(e, ResourceExhausted))
             return
         self.stream_known = len(self.committed)
 
@@ -437,7 +440,9 @@ class Decoder:
             self._drop_stream(f"draft stream stalled: no span within {stall:.3f} s", fault=False)
             return None
         except SpecdecError as e:
-            self._drop_stream(f"draft stream failed: {e.message}", fault=False)
+            # RESOURCE_EXHAUSTED (the draft's KV budget) says nothing of the replica's health: no backoff
+            self._drop_stream(f"draft stream failed: {e.message}", fault=False,
+                              back_off=not isinstance(e, ResourceExhausted))
             return None
         tokens = span.tokens
         post = (span.post.token_id, span.post.q) if span.post is not None and tokens else None
@@ -448,12 +453,13 @@ class Decoder:
             exposed_ms=sum(t.compute_ms for t in tokens if t.received >= t0),
         )
 
-    def _drop_stream(self, error: str, fault: bool) -> None:
+    def _drop_stream(self, error: str, fault: bool, back_off: bool = True) -> None:
         """Closes a failed (or faulty) stream and runs target-only rounds for
-        ``draft_retry_after_rounds`` rounds; a later round opens a new one."""
+        ``draft_retry_after_rounds`` rounds; a later round opens a new one.
+        ``back_off``: the stream's replica is backed off."""
         log(logger, logging.WARNING, "draft stream dropped; rounds run target-only", error=error, fault=fault)
         self._count_fallback()
-        self._close_stream(error)
+        self._close_stream(error if back_off else "")
 
     def _detach_stream(self, error: str = "") -> DraftStream | None:
         """Forgets the stream (its replica backed off when ``error``); the

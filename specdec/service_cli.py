@@ -64,6 +64,8 @@ class FlagSet:
                 continue
             if isinstance(action, argparse._StoreTrueAction):
                 out += [f"--{name}"] if value else []
+            elif isinstance(action, argparse.BooleanOptionalAction):
+                out += [f"--{name}" if value else f"--no-{name}"]
             else:
                 out += [f"--{name}", str(value)]
         return out

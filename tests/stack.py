@@ -235,6 +235,7 @@ def start_stack(
     draft_subprocess: bool = False,
     target_overrides: dict[str, Any] | None = None,
     orchestrator_overrides: dict[str, Any] | None = None,
+    draft_overrides: dict[str, Any] | None = None,
     draft_name: str = "tiny-draft",
     drafters: list[DrafterSpec] | None = None,
     default_drafter: str | None = None,
@@ -282,7 +283,7 @@ def start_stack(
         dcfg = DraftServiceConfig(
             drafters=drafters or [DrafterSpec(name=draft_name, model=str(draft_dir), precision=draft_precision)],
             default_drafter=default_drafter, target_tokenizer=target_tokenizer or str(target_dir),
-            port=0, cache_dir=cache_dir, tls=draft_tls,
+            port=0, cache_dir=cache_dir, tls=draft_tls, **(draft_overrides or {}),
         )
         draft = loop.run(start_draft(dcfg))
         draft_addr = f"127.0.0.1:{draft.port}"

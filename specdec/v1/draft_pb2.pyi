@@ -150,17 +150,19 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., min_confidence: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("token_ids", "probs", "committed_len", "timings", "confidence", "drafter")
+    __slots__ = ("token_ids", "probs", "committed_len", "timings", "confidence", "drafter", "cached_prompt_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     committed_len: int
     timings: _common_pb2.Timings
     confidence: _containers.RepeatedScalarFieldContainer[float]
     drafter: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., committed_len: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., confidence: _Optional[_Iterable[float]] = ..., drafter: _Optional[str] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., committed_len: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., confidence: _Optional[_Iterable[float]] = ..., drafter: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
