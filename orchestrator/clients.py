@@ -377,7 +377,8 @@ class GrpcDraftClient(_GrpcClient):
         )
         r = await self._rpc("Propose", req, timeout)
         q = [_q(d) for d in r.probs]
-        return ProposeReply(list(r.token_ids), q, r.committed_len, r.timings.compute_ms, list(r.confidence))
+        return ProposeReply(list(r.token_ids), q, r.committed_len, r.timings.compute_ms, list(r.confidence),
+                            cached_tokens=r.cached_prompt_tokens)
 
     async def open_stream(
         self,

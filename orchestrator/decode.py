@@ -34,6 +34,8 @@ from specdec.errors import (
 from specdec.logging_util import log
 from specdec.sampling import SamplingConfig, SparseQ, TokenLogprob
 
+PREFILL_S_PER_TOKEN = 0.05  # a prefill's timeout grows by this much a prompt token (_prefill_timeout)
+
 logger = logging.getLogger("specdec.orchestrator")
 
 DRAFT_MODES = ("unary", "stream", "run-ahead")
@@ -113,6 +115,12 @@ class Decoder:
         self.stream_known = 0  # committed tokens the stream has been sent
 
     # --------------------------------------------------------------- helpers
+    def _prefill_timeout(self, tokens: int) -> float:
+        """A prefill's own cap: ``target_timeout_s`` plus 50 ms a prompt token
+        (a 4,000-token prompt prefilled in small chunks beside busy streams
+        outlasts a fixed 120 s); the request's deadline still bounds it."""
+        return self.p.target_timeout_s + PREFILL_S_PER_TOKEN * tokens
+
     def _timeout(self, cap: float) -> float:
         if self.p.deadline is None:
             return cap
@@ -138,7 +146,8 @@ class Decoder:
             self._background(self.target.release(old, self.p.release_timeout_s))
         log(logger, logging.WARNING, "rebuilding target session", old_session=old, tokens=len(self.committed))
         reply = await self.target.prefill(
-            self.committed[:-1], self.p.sampling, False, len(self.committed), self._timeout(self.p.target_timeout_s),
+            self.committed[:-1], self.p.sampling, False, len(self.committed),
+            self._timeout(self._prefill_timeout(len(self.committed))),
             self.p.options,
         )
         self.target_sid = reply.session_id
@@ -196,6 +205,7 @@ class Decoder:
                     self._draft_fault(problem)
                     return None
                 self.draft_known = reply.committed_len
+                self.stats.draft_cached_prompt_tokens += reply.cached_tokens
                 return reply
             except NotFound:
                 self.draft_sid = None  # lost session: recreate from the tokens once
@@ -256,7 +266,8 @@ class Decoder:
             draft_task = asyncio.create_task(self._open_stream(0) if self.streamed else self._create_draft())
         try:
             reply = await self.target.prefill(
-                self.p.prompt_ids, self.p.sampling, True, 0, self._timeout(self.p.target_timeout_s), self.p.options
+                self.p.prompt_ids, self.p.sampling, True, 0, self._timeout(self._prefill_timeout(len(self.p.prompt_ids))),
+                self.p.options
             )
             self.target_sid, self.target_cache_len = reply.session_id, reply.cache_len
             self.stats.cached_prompt_tokens = reply.cached_tokens

@@ -69,6 +69,7 @@ class ProposeReply:
     post: tuple[int, SparseQ] | None = None  # stream: the token after the span, already drafted
     waited_ms: float = 0.0  # stream: wall time the round waited for the span
     exposed_ms: float = 0.0  # stream: draft compute of the span's tokens that arrived while it waited
+    cached_tokens: int = 0  # tokens the draft session took from its prefix cache on this call
 
 
 class TargetClient(Protocol):
