@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from draft_service.drafter import common_prefix_len as common_prefix
 from draft_service.onnx_model import KVCache
 
 #: shorter prefixes are not worth an entry (nor a copy on a hit)
@@ -74,16 +75,6 @@ class PrefixEntry:
     bytes_per_token: int
     drafter: str  # the drafter that stored it (metrics labels)
     cost: int = 0  # what it takes of the budget (set by the store)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):
-        return n
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class PrefixCache:

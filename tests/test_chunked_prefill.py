@@ -149,7 +149,8 @@ def test_verify_rounds_run_between_the_chunks_of_a_long_prompt(  # type: ignore[
     after the prompt's first chunk, long before its last (25 chunks of 8),
     and the prompt's first token is the one-forward reference. Negative
     control: with chunking off (0) the Verify waits for the whole prefill."""
-    s = server_factory(prefill_chunk_tokens=chunk, max_batch_size=max_batch)
+    # fixed chunks (prefill_share 0): the share rule, which cuts chunks while a session decodes, is tested below
+    s = server_factory(prefill_chunk_tokens=chunk, max_batch_size=max_batch, prefill_share=0.0)
 
     async def main() -> tuple[Any, Any]:
         async with grpc.aio.insecure_channel(s.address) as ch:
