@@ -50,6 +50,7 @@ def main() -> int:
     from specdec.models import DEFAULT_TARGET, default_cache_dir, resolve
     from specdec.sampling import SamplingConfig
     from specdec_app.bench import REPO_PROMPTS
+    from scripts.bench_llamacpp import render
     from target_service.engine import TargetEngine
 
     resolved = resolve(a.model or DEFAULT_TARGET, default_cache_dir())
@@ -78,9 +79,7 @@ def main() -> int:
     for pr in prompts:
         if a.only and pr["id"] not in a.only:
             continue
-        text = tok.apply_chat_template([{"role": "user", "content": pr["prompt"]}], add_generation_prompt=True,
-                                       tokenize=False) if pr.get("chat") else pr["prompt"]
-        ids = tok(text, add_special_tokens=False)["input_ids"]
+        _, ids = render(tok, pr)  # as the orchestrator renders it
         cold, gaps, _, sid = run(cold_engine, ids)
         cold_engine.release(sid)
         row: dict[str, Any] = {"prompt": pr["id"], "prompt_tokens": len(ids)}
