@@ -213,6 +213,8 @@ class TargetEngine:
             return
         if not (len(sess.tokens) == sess.cache_len == kv.length(sess.cache)):
             return
+        if self.prefix.covers(sess.tokens):
+            return  # nothing new to keep: make no room for it
         if not self.kv.room_for_prefix(len(sess.tokens)):
             return  # entries never push sessions out
         layers = [kv.layer_kv(sess.cache, li) for li in range(kv.num_layers(sess.cache))]

@@ -119,6 +119,27 @@ class PrefixCache:
             self.hits_tokens += best[1]
             return PrefixHit(entry, best[1])
 
+    def _covering(self, arr: np.ndarray) -> int | None:
+        """The key of an entry that already holds ``arr`` (equal or longer); caller holds the lock."""
+        for key, entry in self._entries.items():
+            if len(entry) >= arr.shape[0] and common_prefix(entry.tokens, arr) == arr.shape[0]:
+                return key
+        return None
+
+    def covers(self, tokens: Sequence[int]) -> bool:
+        """Whether :meth:`store` would keep nothing new for ``tokens`` (an
+        entry already holds them, or they are too short); touches that entry."""
+        arr = np.asarray(tokens, dtype=np.int64)
+        if arr.shape[0] < self.min_hit_tokens:
+            return True
+        with self._lock:
+            key = self._covering(arr)
+            if key is None:
+                return False
+            self._entries.move_to_end(key)
+            self._entries[key].last_used = time.monotonic()
+            return True
+
     def store(self, tokens: Sequence[int], layers: list[tuple[Any, Any]]) -> bool:
         """Keeps ``layers`` (each [1, h, len(tokens), d]) as the KV of
         ``tokens``; False when an entry already covers them. Entries that
@@ -128,13 +149,13 @@ class PrefixCache:
         if arr.shape[0] < self.min_hit_tokens:
             return False
         with self._lock:
+            key = self._covering(arr)
+            if key is not None:  # already covered (equal or longer)
+                self._entries.move_to_end(key)
+                self._entries[key].last_used = time.monotonic()
+                return False
             for key, entry in list(self._entries.items()):
-                n = common_prefix(entry.tokens, arr)
-                if n == arr.shape[0]:  # already covered (equal or longer)
-                    self._entries.move_to_end(key)
-                    entry.last_used = time.monotonic()
-                    return False
-                if n == len(entry):  # the new one extends it
+                if common_prefix(entry.tokens, arr) == len(entry):  # the new one extends it
                     del self._entries[key]
             self._entries[self._next] = PrefixEntry(arr, layers)
             self._next += 1
