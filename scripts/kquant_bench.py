@@ -38,8 +38,9 @@ def build_layers(gguf: Path, backend: str, build: str | None) -> list:
     for name, t in f.tensors.items():
         if name == "token_embd.weight" or t.kind not in ("Q4_K", "Q6_K"):
             continue
-        if backend == "kquant":
-            layers.append(kquant.KQuantLinear(gguf_blocks.decode(t.data, t.kind, t.n, t.k), None, build))
+        if backend in ("kquant", "kquant-a8"):
+            layers.append(kquant.KQuantLinear(gguf_blocks.decode(t.data, t.kind, t.n, t.k), None, build,
+                                              "a8" if backend == "kquant-a8" else "bf16"))
         elif backend == "int4" and t.kind == "Q4_K":
             packed, sz = quant.int4_pack(gguf_blocks.decode(t.data, t.kind, t.n, t.k))
             layers.append(quant.Int4Linear(t.k, t.n, packed, sz, None))
@@ -58,7 +59,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", type=Path, default=Path.home() / ".cache/specdec/gguf/qwen2.5-coder-1.5b-instruct.gguf")
     p.add_argument("--builds", default="", help="kquant builds (default: this CPU's)")
-    p.add_argument("--backends", default="kquant,int4,bf16")
+    p.add_argument("--backends", default="kquant-a8,kquant,int4,bf16")
     p.add_argument("--rows", default="1,2,4,6,8,16")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
@@ -68,8 +69,8 @@ def main() -> int:
     builds = [b for b in a.builds.split(",") if b] or [kquant.isa()]
     variants: dict[str, list] = {}
     for backend in a.backends.split(","):
-        for build in (builds if backend == "kquant" else [None]):
-            key = f"kquant/{build}" if backend == "kquant" else backend
+        for build in (builds if backend.startswith("kquant") else [None]):
+            key = f"{backend}/{build}" if backend.startswith("kquant") else backend
             print(f"[kquant_bench] building {key}", file=sys.stderr, flush=True)
             variants[key] = build_layers(a.gguf, backend, build)
             gc.collect()

@@ -92,7 +92,7 @@ def add_stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, help="`specdec up --draft-model` (default: its default)")
     p.add_argument("--target-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--target-backend", default="auto",
-                   choices=["auto", "eager", "packed", "bf16w", "kquant", "int4", "int4-q8"])
+                   choices=["auto", "eager", "packed", "bf16w", "kquant", "kquant-a8", "int4", "int4-q8"])
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="model cache (default: the services' own; with --tiny OUT/cache)")
     p.add_argument("--up-args", default="",

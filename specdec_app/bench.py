@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launch", action="store_true", help="start `specdec up` for the run and stop it after")
     p.add_argument("--target-dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="with --launch")
     p.add_argument("--target-backend", default="auto",
-                   choices=["auto", "eager", "packed", "bf16w", "kquant", "int4", "int4-q8"], help="with --launch")
+                   choices=["auto", "eager", "packed", "bf16w", "kquant", "kquant-a8", "int4", "int4-q8"], help="with --launch")
     p.add_argument("--no-fastest-baseline", action="store_true",
                    help="with --launch: skip target-only runs under the target's other calibrated (dtype, backend) "
                         "pairs (by default each is launched target-only, and every speedup is also reported "

@@ -27,7 +27,13 @@ converted modules, so a session computes all its logits in one precision.
   (``target_service/quant.py``): Q4_K and Q6_K codes run by our kernel
   (``target_service/kquant.py``), or Q4_K on torch's int4 weight-only kernel
   with the 6-bit tensors in bf16. ``int4-q8`` is ``int4`` with the 6-bit
-  tensors requantized to int8 per row: **lossy**, explicit only. For these
+  tensors requantized to int8 per row: **lossy**, explicit only.
+- ``kquant-a8`` (pair ``bfloat16/kquant-a8``): the kquant weights with each
+  linear layer's input quantized to int8 per 16 elements (a float32 scale
+  each) and the products summed exactly in int32 (AVX-512 VNNI, or AVX2
+  ``vpmaddubsw``), as llama.cpp computes K-quants; the same bits on both
+  builds. It rounds the activations more than bf16 does, so ``auto`` takes
+  it only within the fidelity bound, like every quantized pair. For these
   pairs "bfloat16" names the rounding of each linear layer's input;
   everything else computes in float32.
 
@@ -45,11 +51,11 @@ from typing import Callable
 
 import torch
 
-BACKENDS = ("eager", "packed", "bf16w", "kquant", "int4", "int4-q8")
+BACKENDS = ("eager", "packed", "bf16w", "kquant", "kquant-a8", "int4", "int4-q8")
 #: backends whose linear layers come from the GGUF's quantized blocks
-QUANT_BACKENDS = ("kquant", "int4", "int4-q8")
+QUANT_BACKENDS = ("kquant", "kquant-a8", "int4", "int4-q8")
 #: quantized backends ``auto`` may choose (fidelity permitting); int4-q8 is lossy
-AUTO_QUANT_BACKENDS = ("kquant", "int4")
+AUTO_QUANT_BACKENDS = ("kquant", "kquant-a8", "int4")
 DTYPES = ("bfloat16", "float32", "float16")
 
 # cpu flags reported (lscpu / /proc/cpuinfo names)
@@ -217,7 +223,7 @@ def compute_threads() -> int:
 
 
 #: backends whose own kernel takes every compute thread (torch keeps one)
-KERNEL_BACKENDS = ("bf16w", "kquant")
+KERNEL_BACKENDS = ("bf16w", "kquant", "kquant-a8")
 
 
 def set_backend_threads(backend: str) -> None:
@@ -228,7 +234,7 @@ def set_backend_threads(backend: str) -> None:
 
     threads = compute_threads()
     bf16w.set_threads(threads)
-    if backend == "kquant":
+    if backend in ("kquant", "kquant-a8"):
         from target_service import kquant
 
         kquant.set_threads(threads)

@@ -26,10 +26,11 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "") -> FlagSet:
     f.add("dtype", dest="target_dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
           help="target dtype; auto = calibrated at start-up on CPU (bf16 on CUDA)")
     f.add("backend", dest="target_backend", default="auto",
-          choices=["auto", "eager", "packed", "bf16w", "kquant", "int4", "int4-q8"],
+          choices=["auto", "eager", "packed", "bf16w", "kquant", "kquant-a8", "int4", "int4-q8"],
           help="target compute backend: eager; packed (every linear prepacked for oneDNN, CPU); "
                "bf16w (bfloat16 linear weights, float32 activations, AVX2 kernel); "
                "kquant (the GGUF's own Q4_K/Q6_K codes, bf16 activations, our kernel; CPU); "
+               "kquant-a8 (the same codes, int8 activations per 16 elements, exact int32 sums); "
                "int4 (Q4_K on torch's int4 kernel, 6-bit tensors bf16); "
                "int4-q8 (LOSSY: int4 with 6-bit tensors requantized to int8); auto = calibrated at start-up "
                "(a quantized pair only within the fidelity bound, docs/benchmarks.md)")

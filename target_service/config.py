@@ -20,7 +20,7 @@ class TargetServiceConfig:
     # (dtype, backend) pair with the best expected throughput under AUTO, on
     # CUDA bf16 (fp16 where bf16 is unsupported). Explicit values win.
     dtype: str = "auto"  # auto | bfloat16 | float32 | float16
-    backend: str = "auto"  # auto | eager | packed | bf16w | kquant | int4 | int4-q8 (target_service/backends.py)
+    backend: str = "auto"  # auto | eager | packed | bf16w | kquant | kquant-a8 | int4 | int4-q8 (target_service/backends.py)
     # the GGUF a local HF model directory was converted from, for the
     # quantized backends (a built-in or a .gguf spec finds its own file)
     gguf: str | None = None

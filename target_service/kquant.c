@@ -53,6 +53,12 @@ typedef struct {
     const void* xp;      /* permuted activations: AVX-512: bf16 [M][K]; AVX2: float [M][K] */
     const float* xsum;   /* [M][K/16]: sums of the bf16-rounded x over each lane's 16 weights */
     float* y;            /* [M][N] */
+    /* 8-bit activations (kq_linear_a8; xp and xsum unused): */
+    const int8_t* xq;    /* [M][K] int8 codes in the a8 register order (see the a8 section) */
+    const float* dx;     /* [M][K/16] the scale of each lane's 16 codes */
+    const float* xs8;    /* [M][K/16] dx · (the sum of the lane's codes) */
+    const int32_t* xo;   /* [M][K/16] −32 · (the sum of the lane's codes): Q6_K's offset, exact */
+    int a8;
 } job_t;
 
 /* an output: the tile's sum plus the bias */
@@ -363,11 +369,275 @@ static inline __attribute__((always_inline)) void tile_body(const job_t* j, int6
 
 #endif
 
+
+/* ------------------------------------------------------ 8-bit activations
+   kq_linear_a8: the same weights (the file's codes and scales), with each
+   input lane of 16 consecutive elements quantized to int8 with its own
+   float32 scale (dx = max|x| / 127, codes round(x / dx), round half to even),
+   and the products of codes summed exactly in int32 (AVX-512 VNNI
+   vpdpbusd; AVX2 vpmaddubsw + vpmaddwd, no saturation: |q| <= 63,
+   |xq| <= 127). Per super-block, output and lane l (16 weights, sub-block
+   scale S_l = d·sc, Q4_K min M_l = dmin·m):
+       acc_l += (S_l · dx_l) · float(Σ q·xq)      [Q6_K: Σ (q+32)·xq − 32 Σ xq, in int32]
+       acc_l −= M_l · (dx_l · Σ xq)              [Q4_K only]
+   then the 16 lanes are summed in the tree order of _mm512_reduce_add_ps
+   (lane i with i + 8, then i + 4, i + 2, i + 1) and the bias added. The
+   AVX2 build does the same operations on two halves of 8 lanes in the same
+   order, so both builds give the same bits.
+
+   Layout (weights and activations alike): register p (0..3) of a
+   super-block is 64 bytes; byte i belongs to lane i / 4 and is the weight
+   k = 16 (i / 4) + 4p + i % 4. Weights: 128 bytes of 4-bit codes (byte
+   pp·64 + i: register 2pp in the low nibble, 2pp + 1 in the high), Q6_K's
+   64 bytes of high 2-bit parts (byte i: register p's at bits 2p, 2p + 1),
+   then the meta as above. */
+
+/* one row's activations for kq_linear_a8 */
+static void prepare_a8(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs, int32_t* xo) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < K / 256; b++) {
+            const float* xr = x + m * K + b * 256;
+            int8_t q[256];
+            for (int l = 0; l < 16; l++) {
+                float amax = 0.0f;
+                for (int t = 0; t < 16; t++) {
+                    const float a = xr[16 * l + t] < 0 ? -xr[16 * l + t] : xr[16 * l + t];
+                    amax = a > amax ? a : amax;
+                }
+                const float d = amax / 127.0f;
+                const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+                int32_t sum = 0;
+                for (int t = 0; t < 16; t++) {
+                    float v = __builtin_nearbyintf(xr[16 * l + t] * inv);
+                    v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+                    q[16 * l + t] = (int8_t)v;
+                    sum += (int32_t)v;
+                }
+                const int64_t o = m * (K / 16) + b * 16 + l;
+                dx[o] = d;
+                xs[o] = d * (float)sum;
+                xo[o] = -32 * sum;
+            }
+            int8_t* dst = xq + m * K + b * 256;
+            for (int p = 0; p < 4; p++)
+                for (int i = 0; i < 64; i++) dst[p * 64 + i] = q[16 * (i / 4) + 4 * p + i % 4];
+        }
+}
+
+#ifdef KQ_AVX512
+/* lane scales S_l and, for Q4_K, mins M_l (zero for Q6_K) */
+static inline __m512 lane_scales(int kind, const uint8_t* meta, __m512* mins) {
+    if (kind == KQ_Q4K) {
+        const meta4_t* mt = (const meta4_t*)meta;
+        const __m128i idx = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        __m128i sc = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i*)mt->sc), idx);
+        __m128i mn = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i*)mt->m), idx);
+        *mins = _mm512_mul_ps(_mm512_set1_ps(mt->dmin), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
+        return _mm512_mul_ps(_mm512_set1_ps(mt->d), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+    }
+    const meta6_t* mt = (const meta6_t*)meta;
+    *mins = _mm512_setzero_ps();
+    return _mm512_mul_ps(_mm512_set1_ps(mt->d),
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)mt->sc))));
+}
+
+/* registers 2pp and 2pp + 1 of one row's super-block as unsigned bytes */
+static inline void decode_a8(int kind, const uint8_t* rb, int pp, __m512i* w0, __m512i* w1) {
+    const __m512i m0f = _mm512_set1_epi8(0x0f);
+    const __m512i v = _mm512_loadu_si512((const void*)(rb + pp * 64));
+    __m512i c0 = _mm512_and_si512(v, m0f);
+    __m512i c1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), m0f);
+    if (kind == KQ_Q6K) {
+        const __m512i m30 = _mm512_set1_epi8(0x30);
+        const __m512i h = _mm512_loadu_si512((const void*)(rb + 128));
+        /* register p's 2 bits at bits 4-5: p = 0: h << 4, 1: h << 2, 2: h, 3: h >> 2 */
+        const __m512i h0 = pp ? h : _mm512_slli_epi16(h, 4);
+        const __m512i h1 = pp ? _mm512_srli_epi16(h, 2) : _mm512_slli_epi16(h, 2);
+        c0 = _mm512_ternarylogic_epi32(c0, h0, m30, 0xF8);
+        c1 = _mm512_ternarylogic_epi32(c1, h1, m30, 0xF8);
+    }
+    *w0 = c0;
+    *w1 = c1;
+}
+
+static inline __attribute__((always_inline)) void tile_a8_body(const job_t* j, int64_t n, int64_t m0,
+                                                               const int KIND, const int NR, const int MB) {
+    const int64_t KB = j->K / 256;
+    const int64_t KS = j->K / 16;
+    const int64_t BS = KIND == KQ_Q4K ? BLOCK_Q4K : BLOCK_Q6K;
+    __m512 acc[8][MB];
+    for (int r = 0; r < 8; r++)
+        for (int i = 0; i < MB; i++) acc[r][i] = _mm512_setzero_ps();
+    const int8_t* xb = j->xq + m0 * j->K;
+    for (int64_t b = 0; b < KB; b++) {
+        const uint8_t* blk = group_block(j, n, b, BS);
+        __m512i init[MB];
+#pragma GCC unroll 8
+        for (int i = 0; i < MB; i++)
+            init[i] = KIND == KQ_Q6K ? _mm512_loadu_si512((const void*)(j->xo + (m0 + i) * KS + b * 16))
+                                     : _mm512_setzero_si512();
+        for (int r0 = 0; r0 < 8; r0 += NR) {
+            __m512i s[NR][MB];
+#pragma GCC unroll 8
+            for (int r = 0; r < NR; r++)
+#pragma GCC unroll 8
+                for (int i = 0; i < MB; i++) s[r][i] = init[i];
+#pragma GCC unroll 2
+            for (int pp = 0; pp < 2; pp++) {
+#pragma GCC unroll 8
+                for (int r = 0; r < NR; r++) {
+                    __m512i w0, w1;
+                    decode_a8(KIND, blk + (r0 + r) * BS, pp, &w0, &w1);
+#pragma GCC unroll 8
+                    for (int i = 0; i < MB; i++) {
+                        const int8_t* xr = xb + i * j->K + b * 256 + pp * 128;
+                        s[r][i] = _mm512_dpbusd_epi32(s[r][i], w0, _mm512_loadu_si512((const void*)xr));
+                        s[r][i] = _mm512_dpbusd_epi32(s[r][i], w1, _mm512_loadu_si512((const void*)(xr + 64)));
+                    }
+                }
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < NR; r++) {
+                __m512 mn;
+                const __m512 sc = lane_scales(KIND, blk + (r0 + r) * BS + (KIND == KQ_Q4K ? 128 : 192), &mn);
+#pragma GCC unroll 8
+                for (int i = 0; i < MB; i++) {
+                    const int64_t o = (m0 + i) * KS + b * 16;
+                    const __m512 sd = _mm512_mul_ps(sc, _mm512_loadu_ps(j->dx + o));
+                    __m512 a = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(s[r][i]), acc[r0 + r][i]);
+                    if (KIND == KQ_Q4K) a = _mm512_fnmadd_ps(mn, _mm512_loadu_ps(j->xs8 + o), a);
+                    acc[r0 + r][i] = a;
+                }
+            }
+        }
+    }
+    for (int r = 0; r < 8 && n + r < j->N; r++)
+        for (int i = 0; i < MB; i++) store_out(j, m0 + i, n + r, _mm512_reduce_add_ps(acc[r][i]));
+}
+
+#else  /* AVX2: the 16 lanes as two registers of 8 (h = 0: lanes 0-7) */
+
+static inline void lane_scales(int kind, const uint8_t* meta, __m256 s[2], __m256 mn[2]) {
+    if (kind == KQ_Q4K) {
+        const meta4_t* mt = (const meta4_t*)meta;
+        const __m128i idx = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        __m128i sc = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i*)mt->sc), idx);
+        __m128i m = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i*)mt->m), idx);
+        for (int h = 0; h < 2; h++) {
+            __m128i sh = h ? _mm_srli_si128(sc, 8) : sc, mh = h ? _mm_srli_si128(m, 8) : m;
+            s[h] = _mm256_mul_ps(_mm256_set1_ps(mt->d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sh)));
+            mn[h] = _mm256_mul_ps(_mm256_set1_ps(mt->dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mh)));
+        }
+    } else {
+        const meta6_t* mt = (const meta6_t*)meta;
+        __m128i sc = _mm_loadu_si128((const __m128i*)mt->sc);
+        for (int h = 0; h < 2; h++) {
+            __m128i sh = h ? _mm_srli_si128(sc, 8) : sc;
+            s[h] = _mm256_mul_ps(_mm256_set1_ps(mt->d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sh)));
+            mn[h] = _mm256_setzero_ps();
+        }
+    }
+}
+
+/* half h of registers 2pp and 2pp + 1 */
+static inline void decode_a8(int kind, const uint8_t* rb, int pp, int h, __m256i* w0, __m256i* w1) {
+    const __m256i m0f = _mm256_set1_epi8(0x0f);
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(rb + pp * 64 + h * 32));
+    __m256i c0 = _mm256_and_si256(v, m0f);
+    __m256i c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
+    if (kind == KQ_Q6K) {
+        const __m256i m30 = _mm256_set1_epi8(0x30);
+        const __m256i hb = _mm256_loadu_si256((const __m256i*)(rb + 128 + h * 32));
+        const __m256i h0 = pp ? hb : _mm256_slli_epi16(hb, 4);
+        const __m256i h1 = pp ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 2);
+        c0 = _mm256_or_si256(c0, _mm256_and_si256(h0, m30));
+        c1 = _mm256_or_si256(c1, _mm256_and_si256(h1, m30));
+    }
+    *w0 = c0;
+    *w1 = c1;
+}
+
+/* Σ over each 32-bit lane's 4 bytes of w·x (w unsigned, x signed), added to s */
+static inline __m256i dot4(__m256i s, __m256i w, __m256i x) {
+    const __m256i p = _mm256_maddubs_epi16(w, x);
+    return _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+static inline __attribute__((always_inline)) void tile_a8_body(const job_t* j, int64_t n, int64_t m0,
+                                                               const int KIND, const int NR, const int MB) {
+    const int64_t KB = j->K / 256;
+    const int64_t KS = j->K / 16;
+    const int64_t BS = KIND == KQ_Q4K ? BLOCK_Q4K : BLOCK_Q6K;
+    __m256 acc[8][MB][2];
+    for (int r = 0; r < 8; r++)
+        for (int i = 0; i < MB; i++) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_ps();
+    const int8_t* xb = j->xq + m0 * j->K;
+    for (int64_t b = 0; b < KB; b++) {
+        const uint8_t* blk = group_block(j, n, b, BS);
+        for (int r0 = 0; r0 < 8; r0 += NR) {
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                __m256i s[NR][MB];
+#pragma GCC unroll 8
+                for (int i = 0; i < MB; i++) {
+                    const __m256i init = KIND == KQ_Q6K
+                        ? _mm256_loadu_si256((const __m256i*)(j->xo + (m0 + i) * KS + b * 16 + h * 8))
+                        : _mm256_setzero_si256();
+#pragma GCC unroll 8
+                    for (int r = 0; r < NR; r++) s[r][i] = init;
+                }
+#pragma GCC unroll 2
+                for (int pp = 0; pp < 2; pp++) {
+#pragma GCC unroll 8
+                    for (int r = 0; r < NR; r++) {
+                        __m256i w0, w1;
+                        decode_a8(KIND, blk + (r0 + r) * BS, pp, h, &w0, &w1);
+#pragma GCC unroll 8
+                        for (int i = 0; i < MB; i++) {
+                            const int8_t* xr = xb + i * j->K + b * 256 + pp * 128 + h * 32;
+                            s[r][i] = dot4(s[r][i], w0, _mm256_loadu_si256((const __m256i*)xr));
+                            s[r][i] = dot4(s[r][i], w1, _mm256_loadu_si256((const __m256i*)(xr + 64)));
+                        }
+                    }
+                }
+#pragma GCC unroll 8
+                for (int r = 0; r < NR; r++) {
+                    __m256 sc[2], mn[2];
+                    lane_scales(KIND, blk + (r0 + r) * BS + (KIND == KQ_Q4K ? 128 : 192), sc, mn);
+#pragma GCC unroll 8
+                    for (int i = 0; i < MB; i++) {
+                        const int64_t o = (m0 + i) * KS + b * 16 + h * 8;
+                        const __m256 sd = _mm256_mul_ps(sc[h], _mm256_loadu_ps(j->dx + o));
+                        __m256 a = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(s[r][i]), acc[r0 + r][i][h]);
+                        if (KIND == KQ_Q4K) a = _mm256_fnmadd_ps(mn[h], _mm256_loadu_ps(j->xs8 + o), a);
+                        acc[r0 + r][i][h] = a;
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < 8 && n + r < j->N; r++)
+        for (int i = 0; i < MB; i++) {
+            /* _mm512_reduce_add_ps's order: lane i + lane i + 8, then + 4, + 2, + 1 */
+            __m256 a = _mm256_add_ps(acc[r][i][0], acc[r][i][1]);
+            __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+            s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            s4 = _mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 0x55));
+            store_out(j, m0 + i, n + r, _mm_cvtss_f32(s4));
+        }
+}
+#endif
+
 /* a tile per (rows per group, rows per chain group), for each weight kind */
 #define TILE(MB, NR)                                                                     \
 static void tile_##MB(const job_t* j, int64_t n, int64_t m0) {                          \
     if (j->kind == KQ_Q4K) tile_body(j, n, m0, KQ_Q4K, NR, MB);                          \
     else tile_body(j, n, m0, KQ_Q6K, NR, MB);                                            \
+}
+#define TILE_A8(MB, NR)                                                                  \
+static void tile_a8_##MB(const job_t* j, int64_t n, int64_t m0) {                       \
+    if (j->kind == KQ_Q4K) tile_a8_body(j, n, m0, KQ_Q4K, NR, MB);                       \
+    else tile_a8_body(j, n, m0, KQ_Q6K, NR, MB);                                         \
 }
 
 /* Activation rows go in groups of at most MAX_MB (balanced sizes), each
@@ -383,16 +653,26 @@ TILE(1, 8)
 TILE(2, 4)
 TILE(3, 2)
 TILE(4, 2)
+TILE_A8(1, 8)
+TILE_A8(2, 4)
+TILE_A8(3, 2)
+TILE_A8(4, 2)
 typedef void (*tilefn)(const job_t*, int64_t, int64_t);
 static const tilefn TILES[5] = { 0, tile_1, tile_2, tile_3, tile_4 };
+static const tilefn TILES_A8[5] = { 0, tile_a8_1, tile_a8_2, tile_a8_3, tile_a8_4 };
 #else
 #define MAX_MB 4
 TILE(1, 2)
 TILE(2, 2)
 TILE(3, 1)
 TILE(4, 1)
+TILE_A8(1, 4)
+TILE_A8(2, 2)
+TILE_A8(3, 1)
+TILE_A8(4, 1)
 typedef void (*tilefn)(const job_t*, int64_t, int64_t);
 static const tilefn TILES[5] = { 0, tile_1, tile_2, tile_3, tile_4 };
+static const tilefn TILES_A8[5] = { 0, tile_a8_1, tile_a8_2, tile_a8_3, tile_a8_4 };
 #endif
 
 /* rows [n0, n1) of the output for every activation row: weight panels of
@@ -407,7 +687,7 @@ static void run_rows(const job_t* j, int64_t n0, int64_t n1) {
         for (int64_t g = 0; g < groups; g++) {
             const int64_t left = j->M - m, parts = groups - g;
             const int64_t mb = left / parts + (left % parts ? 1 : 0);
-            const tilefn f = TILES[mb];
+            const tilefn f = j->a8 ? TILES_A8[mb] : TILES[mb];
             for (int64_t n = p; n < pe; n += 8) f(j, n, m);
             m += mb;
         }
@@ -478,44 +758,76 @@ int kq_set_threads(int n) {
     return n;
 }
 
-/* y = x · Wᵀ (+ bias); returns 0, or 1 if scratch cannot be allocated */
+/* runs a prepared job over the pool: thread ranges on multiples of 8 rows */
+static void dispatch(job_t* j) {
+    pthread_mutex_lock(&pool_mu);
+    const int T = nthreads;
+    const int64_t blocks = (j->N + 7) / 8;
+    const int64_t per = (blocks + T - 1) / T;
+    for (int t = 0; t <= T; t++) {
+        int64_t r = (int64_t)t * per * 8;
+        ranges[t] = r < j->N ? r : j->N;
+    }
+    if (T > 1) {
+        cur_job = j;
+        atomic_store(&pending, T - 1);
+        atomic_fetch_add_explicit(&generation, 1, memory_order_release);
+        futex_wake(&generation);
+    }
+    run_rows(j, ranges[0], ranges[1]);
+    if (T > 1)
+        while (atomic_load_explicit(&pending, memory_order_acquire) > 0) _mm_pause();
+    pthread_mutex_unlock(&pool_mu);
+}
+
+static void* scratch(int64_t bytes) { return aligned_alloc(64, ((bytes + 63) / 64) * 64); }
+
+/* y = x · Wᵀ (+ bias), bf16 activations; returns 0, or 1 if scratch cannot be allocated */
 int kq_linear(int kind, const float* x, int64_t M, int64_t K, const uint8_t* w, const float* bias,
               float* y, int64_t N) {
     if (!started) kq_set_threads(1);
 #ifdef KQ_AVX512
-    void* xp = aligned_alloc(64, ((M * K * 2 + 63) / 64) * 64);
+    void* xp = scratch(M * K * 2);
 #else
-    void* xp = aligned_alloc(64, ((M * K * 4 + 63) / 64) * 64);
+    void* xp = scratch(M * K * 4);
 #endif
-    float* xsum = (float*)aligned_alloc(64, ((M * (K / 16) * 4 + 63) / 64) * 64);
+    float* xsum = (float*)scratch(M * (K / 16) * 4);
     if (!xp || !xsum) {
         free(xp);
         free(xsum);
         return 1;
     }
     prepare_x(x, M, K, xp, xsum);
-    job_t j = { kind, M, K, N, w, bias, xp, xsum, y };
-    pthread_mutex_lock(&pool_mu);
-    const int T = nthreads;
-    /* thread ranges on multiples of 8 rows */
-    const int64_t blocks = (N + 7) / 8;
-    const int64_t per = (blocks + T - 1) / T;
-    for (int t = 0; t <= T; t++) {
-        int64_t r = (int64_t)t * per * 8;
-        ranges[t] = r < N ? r : N;
-    }
-    if (T > 1) {
-        cur_job = &j;
-        atomic_store(&pending, T - 1);
-        atomic_fetch_add_explicit(&generation, 1, memory_order_release);
-        futex_wake(&generation);
-    }
-    run_rows(&j, ranges[0], ranges[1]);
-    if (T > 1)
-        while (atomic_load_explicit(&pending, memory_order_acquire) > 0) _mm_pause();
-    pthread_mutex_unlock(&pool_mu);
+    job_t j = { kind, M, K, N, w, bias, xp, xsum, y, NULL, NULL, NULL, NULL, 0 };
+    dispatch(&j);
     free(xp);
     free(xsum);
+    return 0;
+}
+
+/* y = x · Wᵀ (+ bias), 8-bit activations (weights in the a8 layout); returns
+   0, or 1 if scratch cannot be allocated */
+int kq_linear_a8(int kind, const float* x, int64_t M, int64_t K, const uint8_t* w, const float* bias,
+                 float* y, int64_t N) {
+    if (!started) kq_set_threads(1);
+    int8_t* xq = (int8_t*)scratch(M * K);
+    float* dx = (float*)scratch(M * (K / 16) * 4);
+    float* xs = (float*)scratch(M * (K / 16) * 4);
+    int32_t* xo = (int32_t*)scratch(M * (K / 16) * 4);
+    if (!xq || !dx || !xs || !xo) {
+        free(xq);
+        free(dx);
+        free(xs);
+        free(xo);
+        return 1;
+    }
+    prepare_a8(x, M, K, xq, dx, xs, xo);
+    job_t j = { kind, M, K, N, w, bias, NULL, NULL, y, xq, dx, xs, xo, 1 };
+    dispatch(&j);
+    free(xq);
+    free(dx);
+    free(xs);
+    free(xo);
     return 0;
 }
 

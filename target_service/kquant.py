@@ -29,6 +29,23 @@ beside it, the tile or the thread):
 The AVX-512 BF16 and the AVX2 builds sum in different orders, so their
 logits differ in the last bits: a machine's numerics are named by its
 calibration (``GetModelInfo``), as for every other backend.
+
+8-bit activations (``acts="a8"``, backend ``kquant-a8``; what llama.cpp does
+for K-quants, at a finer grain): each input lane of 16 consecutive elements
+becomes int8 codes round(x·127/max|x|) with its float32 scale max|x|/127; the
+codes times the weight codes are summed exactly in int32 (AVX-512 VNNI
+``vpdpbusd``; AVX2 ``vpmaddubsw`` + ``vpmaddwd``, which cannot saturate at
+these magnitudes); per super-block and lane the sum is scaled by
+(sub-block scale × input scale) in float32 and Q4_K's min term subtracted,
+and the lanes are summed in one fixed tree. Both builds perform the same
+float32 operations in the same order, so they give the same bits, and the
+weights take one layout for both (``pack(..., "a8")``). The integer products
+are far cheaper than the bf16 ones: on CPUs where the bf16 path is
+compute-bound (Zen 4 runs 512-bit ``vdpbf16ps`` at half rate, AVX2 has no
+bf16 product) this is what makes a k-token verify cost about one step. It
+rounds the input more coarsely than bf16 (8 bits per 16 elements against 8
+significant bits each), so ``auto`` chooses it only within the fidelity
+bound.
 """
 
 from __future__ import annotations
@@ -49,7 +66,8 @@ KINDS = {"Q4_K": 0, "Q6_K": 1}
 _SOURCE = Path(__file__).with_name("kquant.c")
 _COMMON = ["-O3", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off", "-pthread"]
 _ISAS = {
-    "avx512bf16": ["-DKQ_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2", "-mfma"],
+    "avx512bf16": ["-DKQ_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni",
+                   "-mavx2", "-mfma"],
     "avx2": ["-mavx2", "-mfma"],
 }
 _lock = threading.Lock()
@@ -63,7 +81,7 @@ def isa() -> str | None:
 
     info = cpu_info()
     flags = set(info.flags)
-    if {"avx512f", "avx512_bf16"} <= flags and _has_avx512bw() and info.capability not in ("AVX2", "DEFAULT"):
+    if {"avx512f", "avx512_bf16", "avx512_vnni"} <= flags and _has_avx512bw() and info.capability not in ("AVX2", "DEFAULT"):
         return "avx512bf16"
     if {"avx2", "fma"} <= flags:
         return "avx2"
@@ -101,6 +119,8 @@ def _library(which: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     dll.kq_linear.restype = ctypes.c_int
     dll.kq_linear.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    dll.kq_linear_a8.restype = ctypes.c_int
+    dll.kq_linear_a8.argtypes = dll.kq_linear.argtypes
     dll.kq_set_threads.restype = ctypes.c_int
     dll.kq_set_threads.argtypes = [ctypes.c_int]
     return dll, ""
@@ -164,9 +184,20 @@ def _idx2() -> np.ndarray:
     return 16 * (8 * h + lane) + t
 
 
+def _idx_a8() -> np.ndarray:
+    """[4, 64]: the super-block position of byte i of a8 register p."""
+    p, i = np.meshgrid(np.arange(4), np.arange(64), indexing="ij")
+    return 16 * (i // 4) + 4 * p + (i % 4)
+
+
+#: the weight layouts: the bf16-activation kernel's, per build, and the
+#: 8-bit-activation kernel's (one layout for both builds)
+LAYOUTS = ("avx512bf16", "avx2", "a8")
+
+
 def pack(b: Blocks, which: str) -> np.ndarray:
-    """The packed weights of a decoded Q4_K / Q6_K tensor for the ``which``
-    build (see kquant.c): uint8 [N/8, K/256, 8, block], each row's block the
+    """The packed weights of a decoded Q4_K / Q6_K tensor in layout ``which``
+    (a build's bf16-activation layout, or ``a8``; see kquant.c): uint8 [N/8, K/256, 8, block], each row's block the
     4-bit codes in the build's register layout, Q6_K's high 2 bits (its 6-bit
     codes q split into q & 15 and q >> 4), then the super-block's d (dmin)
     and integer scales (mins)."""
@@ -194,8 +225,15 @@ def pack(b: Blocks, which: str) -> np.ndarray:
         if b.kind == "Q6_K":
             h = hi2.reshape(n, kb, 4, 4, 2, 8)
             hi = h[:, :, :, 0] | (h[:, :, :, 1] << 2) | (h[:, :, :, 2] << 4) | (h[:, :, :, 3] << 6)
+    elif which == "a8":
+        reg = q[:, :, _idx_a8()]  # [n, kb, 4, 64]
+        lo4, hi2 = reg & 15, reg >> 4
+        lo = lo4[:, :, 0::2, :] | (lo4[:, :, 1::2, :] << 4)  # [n, kb, 2, 64]
+        hi = None
+        if b.kind == "Q6_K":
+            hi = hi2[:, :, 0] | (hi2[:, :, 1] << 2) | (hi2[:, :, 2] << 4) | (hi2[:, :, 3] << 6)  # [n, kb, 64]
     else:
-        raise ValueError(f"unknown kquant build {which!r}")
+        raise ValueError(f"unknown kquant layout {which!r}")
     d = b.d.astype("<f4").reshape(n, kb, 1).view(np.uint8)
     if b.kind == "Q4_K":
         assert b.dmin is not None and b.sub_min is not None
@@ -211,19 +249,29 @@ def pack(b: Blocks, which: str) -> np.ndarray:
     return np.ascontiguousarray(blocks.reshape(g, 8, kb, -1).transpose(0, 2, 1, 3))
 
 
+#: input numerics: ``bf16`` (each element rounded to bfloat16, float32
+#: products) or ``a8`` (int8 codes per lane of 16 elements with a float32
+#: scale, exact int32 products; backend ``kquant-a8``)
+ACTS = ("bf16", "a8")
+
+
 class KQuantLinear(torch.nn.Module):
     """An ``nn.Linear`` computed by the kquant kernel from a Q4_K or Q6_K
-    tensor's codes (float32 in, float32 out)."""
+    tensor's codes (float32 in, float32 out), with ``acts`` numerics for its
+    input."""
 
-    def __init__(self, blocks: Blocks, bias: torch.Tensor | None, which: str | None = None) -> None:
+    def __init__(self, blocks: Blocks, bias: torch.Tensor | None, which: str | None = None,
+                 acts: str = "bf16") -> None:
         super().__init__()
         which = which or isa()
         if which is None:
             raise ValueError("the kquant kernel needs AVX-512 BF16 or AVX2 with FMA")
-        self.which = which
+        if acts not in ACTS:
+            raise ValueError(f"unknown kquant activations {acts!r}; one of {', '.join(ACTS)}")
+        self.which, self.acts = which, acts
         self.kind = blocks.kind
         self.out_features, self.in_features = blocks.shape
-        packed = pack(blocks, which)
+        packed = pack(blocks, "a8" if acts == "a8" else which)
         buf = _weight_buffer(packed.nbytes).reshape(packed.shape)
         buf[...] = packed
         self.packed = torch.from_numpy(buf)
@@ -236,8 +284,9 @@ class KQuantLinear(torch.nn.Module):
         k, n = self.in_features, self.out_features
         x2, m = cbuild.float_rows(x, k)
         y = torch.empty((m, n), dtype=torch.float32)
-        rc = lib.kq_linear(KINDS[self.kind], x2.data_ptr(), m, k, self.packed.data_ptr(),
-                           None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), n)
+        fn = lib.kq_linear_a8 if self.acts == "a8" else lib.kq_linear
+        rc = fn(KINDS[self.kind], x2.data_ptr(), m, k, self.packed.data_ptr(),
+                None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), n)
         if rc != 0:
             raise MemoryError("kquant kernel: scratch allocation failed")
         return y.reshape(*x.shape[:-1], n)
@@ -247,8 +296,9 @@ class KQuantLinear(torch.nn.Module):
         return self.packed.numel()
 
     def extra_repr(self) -> str:
+        acts = "int8 per 16, int32 sums" if self.acts == "a8" else "bf16, sums=fp32"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"weights={self.kind} codes, activations=bf16, sums=fp32 ({self.which})")
+                f"weights={self.kind} codes, activations={acts} ({self.which})")
 
 
 # ------------------------------------------------- projections in one call
@@ -273,13 +323,14 @@ class FusedProjection(torch.nn.Module):
     compute it (the kernel's rows are independent), so the numerics are
     unchanged (tests/test_quant.py)."""
 
-    def __init__(self, blocks: list[Blocks], biases: list[torch.Tensor | None], which: str | None = None) -> None:
+    def __init__(self, blocks: list[Blocks], biases: list[torch.Tensor | None], which: str | None = None,
+                 acts: str = "bf16") -> None:
         super().__init__()
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat([b.detach().float() if b is not None else torch.zeros(blk.shape[0])
                               for b, blk in zip(biases, blocks)])
-        self.linear = KQuantLinear(concat_blocks(blocks), bias, which)
+        self.linear = KQuantLinear(concat_blocks(blocks), bias, which, acts)
         self.bounds: list[tuple[int, int]] = []
         start = 0
         for b in blocks:
@@ -340,14 +391,15 @@ def fuse_projections(model: torch.nn.Module, decode: "Callable[[str], Blocks]") 
                 mod = getattr(parent, n, None)
                 if not isinstance(mod, KQuantLinear) or mod.out_features % 8:
                     break
-                if run and mod.kind != getattr(parent, run[0]).kind:
+                if run and (mod.kind, mod.acts) != (getattr(parent, run[0]).kind, getattr(parent, run[0]).acts):
                     break
                 run.append(n)
             if len(run) < 2:
                 continue
             mods = [getattr(parent, n) for n in run]
             path = (parent_name + ".") if parent_name else ""
-            fused = FusedProjection([decode(path + n) for n in run], [m.bias for m in mods], mods[0].which)
+            fused = FusedProjection([decode(path + n) for n in run], [m.bias for m in mods], mods[0].which,
+                                    mods[0].acts)
             for i, n in enumerate(run):
                 setattr(parent, n, FusedSlice(fused, i))
             made += 1

@@ -8,7 +8,9 @@ a float copy of the weight.
 Backend ``kquant`` (pair ``bfloat16/kquant``): Q4_K and Q6_K tensors run on
 our kernel (``target_service/kquant.py``: the file's codes and scales
 exactly, bf16-rounded inputs, float32 sums); any other tensor type as in
-``int4`` below (bf16, faithful).
+``int4`` below (bf16, faithful). Backend ``kquant-a8``: the same weights
+with each input quantized to int8 per 16 elements and exact int32 products
+(``kquant.py``, "a8").
 
 Backends ``int4`` (pair ``bfloat16/int4``) and the lossy ``int4-q8``, on
 torch's weight-only integer kernels:
@@ -53,7 +55,7 @@ from specdec.models import gguf_blocks
 
 logger = logging.getLogger("specdec.target")
 
-QUANT_BACKENDS = ("kquant", "int4", "int4-q8")
+QUANT_BACKENDS = ("kquant", "kquant-a8", "int4", "int4-q8")
 
 #: HF module path (Qwen2 / Llama layout) -> GGUF tensor name
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
@@ -86,7 +88,7 @@ def cpu_supported(backend: str, device: torch.device) -> tuple[bool, str]:
     """Whether ``backend``'s kernel runs on ``device`` (whatever the model)."""
     if device.type != "cpu":
         return False, "the quantized backends run on CPU (CUDA: scripts/gpu_check.sh measures _weight_int4pack_mm)"
-    if backend == "kquant":
+    if backend in ("kquant", "kquant-a8"):
         from target_service import kquant
 
         return kquant.available()
@@ -107,7 +109,7 @@ def supported(backend: str, device: torch.device, gguf_path: Path | None) -> tup
         kinds = _linear_kinds(str(gguf_path))
     except Exception as e:  # an unreadable file: not eligible, with the reason
         return False, f"cannot read {Path(gguf_path).name}: {e}"
-    if backend == "kquant" and not kinds & {"Q4_K", "Q6_K"}:
+    if backend in ("kquant", "kquant-a8") and not kinds & {"Q4_K", "Q6_K"}:
         return False, f"the file's linear layers are {', '.join(sorted(kinds))}, not Q4_K/Q6_K"
     if backend in ("int4", "int4-q8") and "Q4_K" not in kinds:
         return False, f"the file's linear layers are {', '.join(sorted(kinds))}: no Q4_K for the int4 kernel"
@@ -261,11 +263,12 @@ def make_linear(backend: str, t: GgufTensor, linear: torch.nn.Linear) -> torch.n
         raise ValueError(f"GGUF tensor [{t.n}, {t.k}] does not match the layer "
                          f"[{linear.out_features}, {linear.in_features}]")
     bias = linear.bias
-    if backend == "kquant" and t.kind in ("Q4_K", "Q6_K"):
+    if backend in ("kquant", "kquant-a8") and t.kind in ("Q4_K", "Q6_K"):
         from target_service.kquant import KQuantLinear
 
-        return KQuantLinear(gguf_blocks.decode(t.data, t.kind, t.n, t.k), bias)
-    if t.kind == "Q4_K" and backend != "kquant":
+        return KQuantLinear(gguf_blocks.decode(t.data, t.kind, t.n, t.k), bias,
+                            acts="a8" if backend == "kquant-a8" else "bf16")
+    if t.kind == "Q4_K" and backend not in ("kquant", "kquant-a8"):
         packed, sz = int4_pack(gguf_blocks.decode(t.data, t.kind, t.n, t.k))
         return Int4Linear(t.k, t.n, packed, sz, bias)
     if t.kind in gguf_blocks.DECODERS:
@@ -304,7 +307,7 @@ def apply_quant(model: torch.nn.Module, backend: str, gguf_path: Path, fuse: boo
         setattr(parent, attr, new)
         key = f"{t.kind}->{type(new).__name__}"
         counts[key] = counts.get(key, 0) + 1
-    if backend == "kquant" and fuse:  # q/k/v and gate/up in one kernel call each
+    if backend in ("kquant", "kquant-a8") and fuse:  # q/k/v and gate/up in one kernel call each
         from target_service.kquant import fuse_projections
 
         def decode(path: str) -> gguf_blocks.Blocks:

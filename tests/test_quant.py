@@ -145,6 +145,81 @@ def test_kquant_rows_are_independent_of_the_rows_beside_them(build: str, kind: s
     assert torch.equal(torch.cat([lin(x[:7]), lin(x[7:])]), alone)
 
 
+def quantize_a8(x: torch.Tensor) -> torch.Tensor:
+    """The a8 kernel's input, in float64: each lane of 16 consecutive
+    elements as int8 codes round(x · 127 / max|x|) (half to even) times its
+    float32 scale max|x| / 127."""
+    m, k = x.shape
+    lanes = x.float().reshape(m, k // 16, 16)
+    amax = lanes.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(lanes * inv).clamp(-127, 127)
+    return (codes.double() * (amax / 127.0).double()).reshape(m, k)
+
+
+@needs_kernel
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_kquant_a8_is_the_exact_product_of_its_quantized_input(build: str, kind: str) -> None:
+    """kquant-a8: the int32 sums are exact, so the output is the float64
+    product of the lane-quantized input and the exact dequantization up to
+    float32 rounding of the per-lane scaling (far below the 8-bit rounding of
+    the input, which the same check catches as a negative control)."""
+    n, k = 44, 768
+    b = decode(random_blocks(kind, n, k, seed=7), kind, n, k)
+    bias = torch.randn(n)
+    w = torch.from_numpy(b.dequantize()).double()
+    x = torch.randn(5, k)
+    x[1, 16:32] = 0.0  # a lane of zeros (scale 0)
+    x[2, :16] *= 1e3  # an outlier lane beside ordinary ones
+    y = kquant.KQuantLinear(b, bias, build, acts="a8")(x).double()
+    ref = quantize_a8(x) @ w.T + bias.double()
+    tol = 1e-5 * ref.abs().max()
+    assert (y - ref).abs().max() <= tol
+    # negative control: the unquantized input's product is farther away than the bound
+    assert (y - (x.double() @ w.T + bias.double())).abs().max() > 10 * tol
+    # and one code moved by half its range is caught
+    bad = b.codes.copy()
+    bad[0, 0] = bad[0, 0] ^ 8 if kind == "Q4_K" else (bad[0, 0] + 48) % 64 - 32
+    xw = x.clone()
+    xw[:, 0] = 50.0
+    yw = kquant.KQuantLinear(b, bias, build, acts="a8")(xw).double()
+    wrong = quantize_a8(xw) @ torch.from_numpy(type(b)(b.kind, bad, b.scale, b.minimum, b.group).dequantize()).double().T
+    assert (yw - (quantize_a8(xw) @ w.T + bias.double())).abs().max() <= tol
+    assert (yw - (wrong + bias.double())).abs().max() > tol
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.0.ffn_down.weight"])
+def test_kquant_a8_on_real_blocks_is_the_same_on_both_builds(name: str) -> None:
+    """On the real file's blocks: the exact product of the quantized input,
+    and bit for bit the same on the AVX-512 VNNI and the AVX2 build (integer
+    sums, then the same float32 operations in the same order)."""
+    t = real_tensor(name)
+    b = decode(t.data, t.kind, t.n, t.k)
+    x = torch.randn(3, t.k, generator=torch.Generator().manual_seed(5))
+    ref = quantize_a8(x) @ torch.from_numpy(b.dequantize()).double().T
+    outs = [kquant.KQuantLinear(b, None, build, acts="a8")(x) for build in BUILDS]
+    assert (outs[0].double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    for y in outs[1:]:
+        assert torch.equal(y, outs[0])
+
+
+@needs_kernel
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_kquant_a8_rows_are_independent_of_the_rows_beside_them(build: str, kind: str) -> None:
+    n, k = 40, 512
+    lin = kquant.KQuantLinear(decode(random_blocks(kind, n, k, seed=11), kind, n, k), torch.randn(n), build,
+                              acts="a8")
+    x = torch.randn(20, k)
+    kquant._library(build)[0].kq_set_threads(1)  # type: ignore[union-attr]
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(20)])
+    kquant._library(build)[0].kq_set_threads(2)  # type: ignore[union-attr]
+    for m in range(1, 21):
+        assert torch.equal(lin(x[:m]), alone[:m]), f"{m} rows"
+
+
 def test_int4_pack_maps_q4_k_exactly_up_to_bf16_scales() -> None:
     """ATen's w = (q − 8)·S + Z with S = d·sc and Z = 8·S − dmin·m: the same
     weight as the file's up to the bf16 rounding of S and Z."""
@@ -185,7 +260,7 @@ def quant_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @needs_kernel
-@pytest.mark.parametrize("backend", ["kquant", "int4"])
+@pytest.mark.parametrize("backend", ["kquant", "kquant-a8", "int4"])
 def test_quantized_engine_steps_and_verify_agree(quant_model: tuple[Path, Path], backend: str) -> None:
     """Greedy decoding one token at a time and verifying the same tokens as
     one drafted span (every row count from 1 to 8) give the same tokens, and
