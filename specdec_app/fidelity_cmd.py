@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=2048, help="tokens of the corpus scored")
     p.add_argument("--window", type=int, default=512, help="tokens per teacher-forced pass")
     p.add_argument("--pairs", default="all",
-                   help="comma-separated dtype/backend pairs, or 'all' (every eligible pair and the lossy int4-q8)")
+                   help="comma-separated dtype/backend pairs, or 'all' (every eligible pair, kquant-a8 and the lossy int4-q8)")
     p.add_argument("--threads", type=int, default=0, help="compute threads (0 = all)")
     p.add_argument("--cache-dir", type=Path, default=None)
     p.add_argument("--out", type=Path, default=Path("fidelity-out"))
@@ -39,8 +39,9 @@ def _pairs(which: str, gguf: Path | None) -> list[tuple[str, str]]:
     if which != "all":
         return [tuple(p.strip().split("/", 1)) for p in which.split(",") if p.strip()]  # type: ignore[misc]
     pairs = [p for p in eligible_pairs(cpu, gguf) if p != ("float32", "eager")]
-    if quant.supported("int4-q8", cpu, gguf)[0]:
-        pairs.append(("bfloat16", "int4-q8"))
+    for explicit in ("kquant-a8", "int4-q8"):  # the explicit-only quantized pairs
+        if quant.supported(explicit, cpu, gguf)[0]:
+            pairs.append(("bfloat16", explicit))
     return pairs
 
 
@@ -89,7 +90,7 @@ def main(a: argparse.Namespace) -> int:
 
     from specdec.models import default_cache_dir, resolve
     from target_service import fidelity
-    from target_service.backends import QUANT_BACKENDS, cpu_info, set_compute_threads
+    from target_service.backends import AUTO_QUANT_BACKENDS, QUANT_BACKENDS, cpu_info, set_compute_threads
     from target_service.loading import load_model, parse_dtype
 
     a.out.mkdir(parents=True, exist_ok=True)
@@ -123,6 +124,9 @@ def main(a: argparse.Namespace) -> int:
             f["auto"] = "yes"
         elif backend == "int4-q8":
             f["auto"] = "no (lossy)"
+        elif backend not in AUTO_QUANT_BACKENDS:
+            f["auto"] = "no (explicit only: outside the bound)" if best is None or not fidelity.within_bound(f, best) \
+                else "no (explicit only)"
         else:
             f["auto"] = "yes" if best is not None and fidelity.within_bound(f, best) else "no (outside the bound)"
     info = cpu_info()

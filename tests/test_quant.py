@@ -370,7 +370,10 @@ def test_explicit_quantized_flags_win_without_a_fidelity_check(quant_model: tupl
         cal.resolve_pairs("auto", "kquant", cpu, None)
     auto, how = cal.resolve_pairs("auto", "auto", cpu, gguf)
     assert ("bfloat16", "int4-q8") not in auto  # lossy: explicit only
+    assert ("bfloat16", "kquant-a8") not in auto  # outside the fidelity bound: explicit only
     assert how == "calibration"
+    if kquant.available()[0]:
+        assert cal.resolve_pairs("auto", "kquant-a8", cpu, gguf) == ([("bfloat16", "kquant-a8")], "flags")
 
 
 def test_fidelity_is_zero_for_the_reference_and_catches_a_perturbed_model(tiny_models) -> None:  # type: ignore[no-untyped-def]
