@@ -515,29 +515,7 @@ static inline __attribute__((always_inline)) void tile_a8_body(const job_t* j, i
         for (int i = 0; i < MB; i++) store_out(j, m0 + i, n + r, _mm512_reduce_add_ps(acc[r][i]));
 }
 
-#else  /* AVX2: the 16 lanes as two registers of 8 (h = 0: lanes 0-7) */
-
-static inline void lane_scales(int kind, const uint8_t* meta, __m256 s[2], __m256 mn[2]) {
-    if (kind == KQ_Q4K) {
-        const meta4_t* mt = (const meta4_t*)meta;
-        const __m128i idx = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-        __m128i sc = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i*)mt->sc), idx);
-        __m128i m = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i*)mt->m), idx);
-        for (int h = 0; h < 2; h++) {
-            __m128i sh = h ? _mm_srli_si128(sc, 8) : sc, mh = h ? _mm_srli_si128(m, 8) : m;
-            s[h] = _mm256_mul_ps(_mm256_set1_ps(mt->d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sh)));
-            mn[h] = _mm256_mul_ps(_mm256_set1_ps(mt->dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mh)));
-        }
-    } else {
-        const meta6_t* mt = (const meta6_t*)meta;
-        __m128i sc = _mm_loadu_si128((const __m128i*)mt->sc);
-        for (int h = 0; h < 2; h++) {
-            __m128i sh = h ? _mm_srli_si128(sc, 8) : sc;
-            s[h] = _mm256_mul_ps(_mm256_set1_ps(mt->d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sh)));
-            mn[h] = _mm256_setzero_ps();
-        }
-    }
-}
+#else  /* AVX2: the 16 lanes as two registers of 8 (h = 0: lanes 0-7); lane scales from scales_avx2 */
 
 /* half h of registers 2pp and 2pp + 1 */
 static inline void decode_a8(int kind, const uint8_t* rb, int pp, int h, __m256i* w0, __m256i* w1) {
@@ -603,7 +581,7 @@ static inline __attribute__((always_inline)) void tile_a8_body(const job_t* j, i
 #pragma GCC unroll 8
                 for (int r = 0; r < NR; r++) {
                     __m256 sc[2], mn[2];
-                    lane_scales(KIND, blk + (r0 + r) * BS + (KIND == KQ_Q4K ? 128 : 192), sc, mn);
+                    scales_avx2(KIND, blk + (r0 + r) * BS + (KIND == KQ_Q4K ? 128 : 192), sc, mn);
 #pragma GCC unroll 8
                     for (int i = 0; i < MB; i++) {
                         const int64_t o = (m0 + i) * KS + b * 16 + h * 8;

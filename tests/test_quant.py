@@ -129,13 +129,15 @@ def test_kquant_on_real_blocks(build: str, name: str) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("acts", kquant.ACTS)
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
-def test_kquant_rows_are_independent_of_the_rows_beside_them(build: str, kind: str) -> None:
+def test_kquant_rows_are_independent_of_the_rows_beside_them(build: str, kind: str, acts: str) -> None:
     """Every row count from 1 to 20 (one, two and three groups of rows, every
-    tile), two thread counts: each row bit for bit as computed alone."""
+    tile), two thread counts: each row bit for bit as computed alone (bf16
+    and 8-bit activations)."""
     n, k = 40, 512
-    lin = kquant.KQuantLinear(decode(random_blocks(kind, n, k, seed=11), kind, n, k), torch.randn(n), build)
+    lin = kquant.KQuantLinear(decode(random_blocks(kind, n, k, seed=11), kind, n, k), torch.randn(n), build, acts)
     x = torch.randn(20, k)
     kquant._library(build)[0].kq_set_threads(1)  # type: ignore[union-attr]
     alone = torch.cat([lin(x[i:i + 1]) for i in range(20)])
@@ -203,21 +205,6 @@ def test_kquant_a8_on_real_blocks_is_the_same_on_both_builds(name: str) -> None:
     assert (outs[0].double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     for y in outs[1:]:
         assert torch.equal(y, outs[0])
-
-
-@needs_kernel
-@pytest.mark.parametrize("build", BUILDS)
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
-def test_kquant_a8_rows_are_independent_of_the_rows_beside_them(build: str, kind: str) -> None:
-    n, k = 40, 512
-    lin = kquant.KQuantLinear(decode(random_blocks(kind, n, k, seed=11), kind, n, k), torch.randn(n), build,
-                              acts="a8")
-    x = torch.randn(20, k)
-    kquant._library(build)[0].kq_set_threads(1)  # type: ignore[union-attr]
-    alone = torch.cat([lin(x[i:i + 1]) for i in range(20)])
-    kquant._library(build)[0].kq_set_threads(2)  # type: ignore[union-attr]
-    for m in range(1, 21):
-        assert torch.equal(lin(x[:m]), alone[:m]), f"{m} rows"
 
 
 def test_int4_pack_maps_q4_k_exactly_up_to_bf16_scales() -> None:
