@@ -253,6 +253,16 @@ static void prepare_x(const float* x, int64_t M, int64_t K, float* xp, float* xs
 }
 
 
+/* the sum of 16 float32 lanes held as two registers of 8 (lanes 0-7, 8-15),
+   in _mm512_reduce_add_ps's order: lane i + lane i + 8, then + 4, + 2, + 1 */
+static inline float hsum16(__m256 lo, __m256 hi) {
+    __m256 a = _mm256_add_ps(lo, hi);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    s4 = _mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 0x55));
+    return _mm_cvtss_f32(s4);
+}
+
 /* codes of registers (t, h) and (t + 1, h), t even: 8 bytes, low and high nibbles */
 static inline void codes_lo(const uint8_t* lo, int t, int h, __m256i* a, __m256i* b) {
     __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(lo + ((t >> 1) * 2 + h) * 8)));
@@ -358,13 +368,7 @@ static inline __attribute__((always_inline)) void tile_body(const job_t* j, int6
         }
     }
     for (int r = 0; r < 8 && n + r < j->N; r++)
-        for (int i = 0; i < MB; i++) {
-            __m256 a = _mm256_add_ps(acc[r][i][0], acc[r][i][1]);
-            __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-            s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-            s4 = _mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 0x55));
-            store_out(j, m0 + i, n + r, _mm_cvtss_f32(s4));
-        }
+        for (int i = 0; i < MB; i++) store_out(j, m0 + i, n + r, hsum16(acc[r][i][0], acc[r][i][1]));
 }
 
 #endif
@@ -595,14 +599,7 @@ static inline __attribute__((always_inline)) void tile_a8_body(const job_t* j, i
         }
     }
     for (int r = 0; r < 8 && n + r < j->N; r++)
-        for (int i = 0; i < MB; i++) {
-            /* _mm512_reduce_add_ps's order: lane i + lane i + 8, then + 4, + 2, + 1 */
-            __m256 a = _mm256_add_ps(acc[r][i][0], acc[r][i][1]);
-            __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-            s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-            s4 = _mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 0x55));
-            store_out(j, m0 + i, n + r, _mm_cvtss_f32(s4));
-        }
+        for (int i = 0; i < MB; i++) store_out(j, m0 + i, n + r, hsum16(acc[r][i][0], acc[r][i][1]));
 }
 #endif
 
