@@ -34,7 +34,10 @@ from specdec.errors import (
 from specdec.logging_util import log
 from specdec.sampling import SamplingConfig, SparseQ, TokenLogprob
 
-PREFILL_S_PER_TOKEN = 0.05  # a prefill's timeout grows by this much a prompt token (_prefill_timeout)
+# a prefill's timeout grows by this much a prompt token (_prefill_timeout): beside one busy stream
+# on 2 cores the target's chunks shrink to a few tokens and a 4,000-token prompt ran ~0.08 s a
+# token (948 chunks in the 320 s the old 0.05 allowed, docs/bench/long-prompt-rerun)
+PREFILL_S_PER_TOKEN = 0.12
 # a draft call's timeout grows by this much a context token it must take in first (_draft_timeout):
 # the 0.5B ONNX draft takes in ~2 ms a token on 2 cores (741 tokens in 1,383 ms), 5x margin
 DRAFT_S_PER_TOKEN = 0.01
@@ -125,7 +128,7 @@ class Decoder:
 
     # --------------------------------------------------------------- helpers
     def _prefill_timeout(self, tokens: int) -> float:
-        """A prefill's own cap: ``target_timeout_s`` plus 50 ms a prompt token
+        """A prefill's own cap: ``target_timeout_s`` plus 120 ms a prompt token
         (a 4,000-token prompt prefilled in small chunks beside busy streams
         outlasts a fixed 120 s); the request's deadline still bounds it."""
         return self.p.target_timeout_s + PREFILL_S_PER_TOKEN * tokens

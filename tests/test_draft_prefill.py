@@ -226,3 +226,19 @@ def test_the_overlapped_draft_prefill_never_holds_back_the_first_token(
         stack.wait_no_sessions()
     finally:
         stack.close()
+
+
+def test_flags_reach_the_configs_through_specdec_up() -> None:
+    from draft_service.cli import config_from_args as draft_config
+    from orchestrator.cli import config_from_args as orch_config
+    from specdec_app.cli import build_parser
+    from specdec_app.up import child_commands
+
+    a = build_parser().parse_args(["up", "--draft-prefill-chunk-tokens", "32", "--draft-prefill-overlap", "on"])
+    cmds, _ = child_commands(a, "/tmp/cache")
+    for name, conf, field, want in (("draft", draft_config, "prefill_chunk_tokens", 32),
+                                    ("orchestrator", orch_config, "draft_prefill_overlap", "on")):
+        served = build_parser().parse_args(cmds[name][cmds[name].index("serve"):])
+        assert getattr(conf(served, 1), field) == want
+    assert draft_config(build_parser().parse_args(["serve", "draft"]), 1).prefill_chunk_tokens == 128
+    assert orch_config(build_parser().parse_args(["serve", "orchestrator"]), 1).draft_prefill_overlap == "auto"
