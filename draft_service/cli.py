@@ -59,6 +59,10 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "", *, spin_defau
     f.add("max-cache-tokens", dest="draft_max_cache", type=int, default=0,
           help="draft: one session's KV limit (0 = the model's context length, capped at the KV budget); on CUDA "
                "each session's buffer is preallocated at this size and counted whole in the budget")
+    f.add("prefill-chunk-tokens", dest="draft_prefill_chunk", type=int, default=128,
+          help="draft: a catch-up prefill (a new session's prompt) runs at most this many tokens per forward, "
+               "each chunk its own job, so other sessions' draft calls run between them and a cancelled call "
+               "stops within a chunk (0 = the whole context in one forward)")
     f.add("prefix-cache", dest="draft_prefix_cache", action=argparse.BooleanOptionalAction, default=True,
           help="draft: start new sessions from the KV of released ones sharing a prefix (chat turns, "
                "system prompts)")
@@ -111,6 +115,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> DraftServiceConfig:
         health_port=a.health_port, tls=server_tls(a), max_queue=a.max_queue,
         kv_budget_tokens=a.draft_kv_budget, kv_budget_bytes=a.draft_kv_budget_bytes,
         kv_protect_active_s=a.draft_kv_protect, prefix_cache=a.draft_prefix_cache, max_cache_tokens=a.draft_max_cache,
+        prefill_chunk_tokens=a.draft_prefill_chunk,
     )
 
 

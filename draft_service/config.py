@@ -53,6 +53,10 @@ class DraftServiceConfig:
     cache_dir: Path | None = None  # model + ONNX cache; None = specdec.models.default_cache_dir()
     session_ttl_s: float = 600.0  # idle sessions are reaped after this
     max_cache_tokens: int = 0  # per-session KV limit; 0 = the model's context length (capped at the KV budget)
+    # A catch-up prefill (a new session's prompt, a long delta) runs at most this many
+    # context tokens per forward, each chunk its own model-worker job, so other sessions'
+    # calls run between the chunks and a cancelled call stops within one (0 = all at once).
+    prefill_chunk_tokens: int = 128
     # The KV budget over all sessions and stored prefixes (draft_service/draft_kv.py):
     # in tokens, or in bytes when kv_budget_bytes > 0.
     kv_budget_tokens: int = 65_536
@@ -104,6 +108,8 @@ class DraftServiceConfig:
             raise ValueError("kv_budget_tokens (or kv_budget_bytes) must be >= 1")
         if self.kv_budget_bytes < 0 or self.kv_protect_active_s < 0 or self.prefix_cache_entries < 1:
             raise ValueError("kv_budget_bytes and kv_protect_active_s must be >= 0, prefix_cache_entries >= 1")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError("prefill_chunk_tokens must be >= 0")
         if self.execution not in ("auto", "cpu", "cuda"):
             raise ValueError(f"execution must be auto, cpu or cuda, got {self.execution!r}")
 

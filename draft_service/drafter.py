@@ -88,6 +88,16 @@ class Drafter(ABC):
     def draft(self, state: Any, req: DraftRequest) -> Proposal:
         """At most ``req.num_tokens`` ids drafted after ``req.committed``."""
 
+    def pending(self, state: Any, committed: Sequence[int]) -> int:
+        """Context tokens a draft on ``committed`` would prefill first (0:
+        none, as for a model-free drafter)."""
+        return 0
+
+    def catch_up(self, state: Any, committed: Sequence[int], max_tokens: int) -> tuple[int, int, int]:
+        """One chunk of that prefill: feeds at most ``max_tokens`` of it; returns
+        (tokens fed, tokens still to feed, tokens taken from the prefix cache)."""
+        return 0, 0, 0
+
     def propose(
         self,
         state: Any,
@@ -227,6 +237,70 @@ class DraftLoop:
     model: OnnxCausalLM
     max_support: int
     vocab: VocabHook = field(default_factory=SameVocab)
+    # a forward takes at most this many context tokens (0 = the whole rest at once): a long
+    # context is prefilled in chunks, each its own worker job (DraftLoop.catch_up)
+    chunk_tokens: int = 0
+
+    def _seed(self, state: KVState, context: Sequence[int]) -> tuple[int, int]:
+        """Seeds a fresh state from the prefix cache; returns (tokens taken
+        from it, tokens of ``context`` the cache will keep: its common prefix
+        with ``context``, never the last token, whose logits are needed)."""
+        cached = 0
+        if state.hooks is not None and not state.tokens:  # a fresh (or reset) state: from a stored prefix
+            cached = state.hooks.seed(state, context)
+        return cached, min(common_prefix_len(state.tokens, context), len(context) - 1)
+
+    def _reserve(self, state: KVState, tokens: int) -> None:
+        if state.hooks is not None:
+            state.hooks.reserve(state, tokens)
+
+    @staticmethod
+    def _roll_back(state: KVState, keep: int) -> None:
+        state.cache.crop(keep)
+        del state.tokens[keep:]
+
+    def _feed(self, state: KVState, todo: Sequence[int]) -> np.ndarray:
+        """Feeds ``todo`` (>= 1 token) in forwards of at most ``chunk_tokens``;
+        the last position's logits [V_d]."""
+        step = self.chunk_tokens if self.chunk_tokens > 0 else len(todo)
+        logits: np.ndarray | None = None
+        for i in range(0, len(todo), step):
+            part = list(todo[i : i + step])
+            logits = self.model.forward(state.cache, part)[-1]
+            state.tokens.extend(part)
+        assert logits is not None
+        return logits
+
+    def pending(self, state: KVState, context: Sequence[int]) -> int:
+        """Context tokens a draft on ``context`` would feed before its last
+        one (the catch-up prefill still to do; a prefix cache hit not
+        counted); 0 when the context does not fit the cache (nothing is drafted)."""
+        if len(context) <= 1 or len(context) > self.model.max_cache_tokens:
+            return 0
+        return len(context) - 1 - min(common_prefix_len(state.tokens, context), len(context) - 1)
+
+    def catch_up(self, state: KVState, context: Sequence[int], max_tokens: int) -> tuple[int, int, int]:
+        """Feeds at most ``max_tokens`` (>= 1) of ``context`` (never its last
+        token, which the draft call feeds) in one forward: one chunk of a long
+        catch-up prefill. Returns (tokens fed, tokens still to feed, tokens
+        taken from the prefix cache). A failure resets ``state``."""
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if len(context) <= 1 or len(context) > self.model.max_cache_tokens:
+            return 0, 0, 0  # nothing to feed (or nothing will be drafted: the context does not fit)
+        target = len(context) - 1  # the tokens a draft call would find fed
+        cached, keep = self._seed(state, context)
+        todo = list(context[keep : min(target, keep + max_tokens)])
+        self._reserve(state, keep + len(todo))
+        try:
+            self._roll_back(state, keep)
+            if todo:
+                self.model.forward(state.cache, todo)
+                state.tokens.extend(todo)
+        except Exception:
+            state.reset()
+            raise
+        return len(todo), target - len(state.tokens), cached
 
     def run(self, state: KVState, context: Sequence[int], req: DraftRequest) -> Proposal:
         """At most ``req.num_tokens`` proposed ids; fewer when the context
@@ -237,18 +311,12 @@ class DraftLoop:
         gamma = min(req.num_tokens, self.model.max_cache_tokens - len(context) + 1)
         if not context or gamma < 1:
             return Proposal([], [])
-        cached = 0
-        if state.hooks is not None:
-            if not state.tokens:  # a fresh (or reset) state: start from a stored prefix if one matches
-                cached = state.hooks.seed(state, context)
-            state.hooks.reserve(state, len(context) + gamma - 1)  # what the cache holds at most after the loop
-        keep = min(common_prefix_len(state.tokens, context), len(context) - 1)
+        cached, keep = self._seed(state, context)
+        self._reserve(state, len(context) + gamma - 1)  # what the cache holds at most after the loop
         try:
-            state.cache.crop(keep)
-            del state.tokens[keep:]
+            self._roll_back(state, keep)
             todo = list(context[keep:])
-            logits = self.model.forward(state.cache, todo)[-1]  # [V_d]
-            state.tokens.extend(todo)
+            logits = self._feed(state, todo)  # [V_d]
             fed = len(todo)
             ids: list[int] = []
             qs: list[tuple[np.ndarray, np.ndarray]] = []
@@ -294,16 +362,19 @@ class OnnxDrafter(Drafter):
         *,
         max_support: int = 64,
         eos_token_ids: Sequence[int] = (),
+        prefill_chunk_tokens: int = 0,
     ) -> None:
-        if max_support < 1:
-            raise ValueError("max_support must be >= 1")
+        """``prefill_chunk_tokens``: the most context tokens one forward takes
+        (0 = all at once)."""
+        if max_support < 1 or prefill_chunk_tokens < 0:
+            raise ValueError("max_support must be >= 1 and prefill_chunk_tokens >= 0")
         self.name = name
         self.model = model
         self.vocab_size = model.vocab_size
         self.max_support = max_support
         self.eos_token_ids = list(eos_token_ids) or list(model.eos_token_ids)
         self.max_context_tokens = model.max_cache_tokens
-        self.loop = DraftLoop(model, max_support)
+        self.loop = DraftLoop(model, max_support, chunk_tokens=prefill_chunk_tokens)
         self.kv_model = model
 
     def new_state(self) -> DraftState:
@@ -316,3 +387,9 @@ class OnnxDrafter(Drafter):
         """Drafts on ``req.committed``; fewer tokens near the context limit or
         below ``req.min_confidence`` (see :meth:`DraftLoop.run`)."""
         return self.loop.run(state, req.committed, req)
+
+    def pending(self, state: DraftState, committed: Sequence[int]) -> int:
+        return self.loop.pending(state, committed)
+
+    def catch_up(self, state: DraftState, committed: Sequence[int], max_tokens: int) -> tuple[int, int, int]:
+        return self.loop.catch_up(state, committed, max_tokens)

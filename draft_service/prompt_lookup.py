@@ -202,3 +202,9 @@ class AutoDrafter(Drafter):
             return Proposal(list(ids), q, 0, [1.0] * len(ids))
         state.used_model += 1
         return self.model.draft(state.model, req)
+
+    def pending(self, state: AutoState, committed: Sequence[int]) -> int:
+        return self.model.pending(state.model, committed)
+
+    def catch_up(self, state: AutoState, committed: Sequence[int], max_tokens: int) -> tuple[int, int, int]:
+        return self.model.catch_up(state.model, committed, max_tokens)

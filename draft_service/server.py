@@ -23,8 +23,8 @@ import numpy as np
 from draft_service.config import DrafterSpec, DraftServiceConfig
 from draft_service.draft_kv import DraftKVCollector, KVBudget, PrefixCache, register_kv_metrics
 from draft_service.drafter import Drafter, OnnxDrafter
-from draft_service.session_stream import SessionStream
-from draft_service.sessions import ProposeResult, SessionStore, grammar_state
+from draft_service.session_stream import CatchUpTotals, SessionStream
+from draft_service.sessions import CatchUp, ProposeResult, SessionStore, grammar_state
 from specdec.errors import InvalidArgument, Unavailable
 from specdec.grammar import LazyGrammarCompiler
 from specdec.grpc_util import ModelWorker, ServerHandle, WorkTiming, drain, start_server, translate_errors
@@ -88,7 +88,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self.metrics.active_sessions.set_function(lambda: len(self.sessions))  # exact at every scrape
         register_kv_metrics(self.metrics.registry, DraftKVCollector(
             sessions.usage, sessions.budget, lambda: sessions.prefixes, sessions.evictions))
-        self._streams = SessionStream(sessions, worker, self.metrics, self._get, lambda: self.draining, self.proposals)
+        self._streams = SessionStream(sessions, worker, self.metrics, self._get, lambda: self.draining, self.proposals,
+                                      config.prefill_chunk_tokens)
 
     def attach(self, drafters: dict[str, LoadedDrafter]) -> None:
         self._drafters = drafters
@@ -151,16 +152,26 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         # cheap checks on the loop; the store repeats them where it runs
         self.sessions.validate_propose(new_ids, num_tokens, session.drafter.vocab_size)
         args = (request.session_id, int(request.base_len), new_ids, num_tokens, min_conf)
+        catch_up = CatchUpTotals()
         if session.drafter.inline:
             # a model-free drafter: microseconds, so no queueing behind model work
             started = time.perf_counter()
-            result: ProposeResult = self.sessions.propose(*args)
+            out = self.sessions.propose(*args)
             timing = WorkTiming(0.0, (time.perf_counter() - started) * 1e3)
         else:
-            result, timing = await self.worker.run(self.sessions.propose, *args)
+            # a long catch-up prefill runs a chunk per worker job, other sessions' calls between them;
+            # a cancelled call (its deadline passed) stops at the next chunk, what was fed is kept
+            while True:
+                out, timing = await self.worker.run(self.sessions.propose, *args, self.config.prefill_chunk_tokens)
+                if not isinstance(out, CatchUp):
+                    break
+                catch_up.add(out, timing)
+        assert isinstance(out, ProposeResult)
+        result = out
+        timing = catch_up.total(timing)
         p = result.proposal
         self.proposals[session.drafter.name] += 1
-        self.metrics.observe("propose", p.fed_tokens, timing.queue_ms, timing.compute_ms)
+        self.metrics.observe("propose", p.fed_tokens + catch_up.fed, timing.queue_ms, timing.compute_ms)
         self.metrics.queue_depth.set(self.worker.pending)
         return draft_pb2.ProposeResponse(
             token_ids=p.token_ids,
@@ -171,7 +182,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             timings=_timings(timing),
             confidence=p.confidence,
             drafter=session.drafter.name,
-            cached_prompt_tokens=p.cached_tokens,
+            cached_prompt_tokens=p.cached_tokens + catch_up.cached,
         )
 
     async def Session(
@@ -354,6 +365,7 @@ def load_drafter(spec: DrafterSpec, config: DraftServiceConfig, target: TargetVo
         tli = TliDrafter(
             spec.name, model, vm, hf_tokenize_fn(tokenizer), target_vocab_size=target.vocab_size,
             max_support=config.max_support, lookbehind=spec.lookbehind_tokens,
+            prefill_chunk_tokens=config.prefill_chunk_tokens,
         )
         log(logger, logging.INFO, "tli vocabulary intersection", drafter=spec.name, intersection=vm.size,
             draft_vocab=model.vocab_size, target_vocab=target.vocab_size)
@@ -367,7 +379,8 @@ def load_drafter(spec: DrafterSpec, config: DraftServiceConfig, target: TargetVo
         log(logger, logging.WARNING, "no tokenizer found; fingerprint left empty", drafter=spec.name)
     tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
     eos = eos_token_ids(*_config_eos_values(hf_dir), tokenizer_eos, model.eos_token_ids)
-    drafter = OnnxDrafter(spec.name, model, max_support=config.max_support, eos_token_ids=eos)
+    drafter = OnnxDrafter(spec.name, model, max_support=config.max_support, eos_token_ids=eos,
+                          prefill_chunk_tokens=config.prefill_chunk_tokens)
     return LoadedDrafter(
         drafter, model_name, spec.precision, fingerprint, eos, kind=spec.kind, device=model.device,
         max_context_tokens=model.max_cache_tokens,

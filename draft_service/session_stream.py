@@ -22,12 +22,13 @@ import asyncio
 import collections
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import grpc
 
 from draft_service.drafter import Proposal
-from draft_service.sessions import DraftSession, SessionStore, grammar_state
+from draft_service.sessions import CatchUp, DraftSession, SessionStore, grammar_state
 from specdec.draft_chain import ChainPause, ChainToken, DraftChain, Step
 from specdec.errors import InvalidArgument, SpecdecError, Unavailable
 from specdec.grpc_util import ModelWorker, WorkTiming
@@ -68,6 +69,26 @@ def batch_proto(events: list[ChainToken | ChainPause]) -> draft_pb2.DraftSession
     return draft_pb2.DraftSessionEvent(batch=batch)
 
 
+@dataclass
+class CatchUpTotals:
+    """The chunks of one call's catch-up prefill (:class:`~draft_service.sessions.CatchUp`), added up."""
+
+    fed: int = 0
+    cached: int = 0
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
+
+    def add(self, c: CatchUp, t: WorkTiming) -> None:
+        self.fed += c.fed
+        self.cached += c.cached
+        self.queue_ms += t.queue_ms
+        self.compute_ms += t.compute_ms
+
+    def total(self, last: WorkTiming) -> WorkTiming:
+        """The call's timing: its chunks' and the draft job's (``last``)."""
+        return WorkTiming(self.queue_ms + last.queue_ms, self.compute_ms + last.compute_ms, last.queue_depth)
+
+
 class SessionStream:
     """Serves one Session call. ``resolve(name)`` returns the hosted drafter
     (raising InvalidArgument / Unavailable); ``draining()`` refuses new
@@ -81,9 +102,12 @@ class SessionStream:
         resolve: Callable[[str], Any],
         draining: Callable[[], bool],
         steps: collections.Counter[str] | None = None,
+        chunk_tokens: int = 0,
     ) -> None:
         """``steps``: drafting steps per drafter name (the servicer's
-        ``proposals``, which counts Propose calls the same way)."""
+        ``proposals``, which counts Propose calls the same way);
+        ``chunk_tokens``: a catch-up prefill's tokens per worker job (0 = one job)."""
+        self.chunk_tokens = chunk_tokens
         self.steps = steps if steps is not None else collections.Counter()
         self.sessions = sessions
         self.worker = worker
@@ -207,16 +231,19 @@ class SessionStream:
             out.put_nowait(e)
 
     async def _run(self, session: DraftSession, step: Step) -> tuple[Proposal, WorkTiming]:
-        def propose() -> Proposal:
-            with self.sessions.using(session):  # NOT_FOUND once the stream's session has ended
-                return session.drafter.propose(session.state, step.context, step.num_tokens, session.cfg,
-                                               session.rng, 0.0, session.constraint(step.context))
-
+        # NOT_FOUND once the stream's session has ended (a catch-up stops at its next chunk)
         if session.drafter.inline:
             started = time.perf_counter()
-            proposal = propose()
-            return proposal, WorkTiming(0.0, (time.perf_counter() - started) * 1e3)
-        return await self.worker.run(propose)
+            out = self.sessions.draft_step(session, step.context, step.num_tokens)
+            assert not isinstance(out, CatchUp)
+            return out, WorkTiming(0.0, (time.perf_counter() - started) * 1e3)
+        catch_up = CatchUpTotals()
+        while True:  # a long catch-up prefill: a chunk per worker job, other sessions' calls between them
+            out, timing = await self.worker.run(self.sessions.draft_step, session, step.context, step.num_tokens,
+                                                0.0, self.chunk_tokens)
+            if not isinstance(out, CatchUp):
+                return out, catch_up.total(timing)
+            catch_up.add(out, timing)
 
 
 async def _first(requests: AsyncIterator[draft_pb2.DraftSessionRequest]) -> draft_pb2.DraftSessionRequest | None:

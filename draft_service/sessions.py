@@ -80,6 +80,17 @@ class ProposeResult:
     committed_len: int
 
 
+@dataclass(frozen=True)
+class CatchUp:
+    """One chunk of a long catch-up prefill ran instead of the draft call
+    (:meth:`SessionStore.draft_step`): the caller runs the step again, as a
+    new worker job, so other sessions' calls run between the chunks."""
+
+    fed: int  # context tokens fed by this chunk
+    remaining: int  # context tokens still to feed before drafting
+    cached: int  # context tokens a fresh state took from the prefix cache
+
+
 class SessionKV:
     """A model drafter session's :class:`~draft_service.drafter.KVHooks`."""
 
@@ -224,10 +235,14 @@ class SessionStore:
         new_token_ids: Sequence[int],
         num_tokens: int,
         min_confidence: float = 0.0,
-    ) -> ProposeResult:
-        """Runs one Propose (on the model worker, or inline for an ``inline``
-        drafter). committed = session.committed[:base_len] + new_token_ids;
-        the drafter rejects an empty one (:class:`~draft_service.drafter.DraftRequest`)."""
+        chunk_tokens: int = 0,
+    ) -> ProposeResult | CatchUp:
+        """Runs one Propose step (on the model worker, or inline for an
+        ``inline`` drafter). committed = session.committed[:base_len] +
+        new_token_ids; the drafter rejects an empty one
+        (:class:`~draft_service.drafter.DraftRequest`). With ``chunk_tokens``
+        > 0 and more than that to prefill first, one chunk of it runs and
+        :class:`CatchUp` says so (:meth:`draft_step`); the caller repeats."""
         session = self.get(session_id)
         drafter = session.drafter
         self.validate_propose(new_token_ids, num_tokens, drafter.vocab_size)
@@ -236,13 +251,27 @@ class SessionStore:
                 f"base_len {base_len} exceeds the {len(session.committed)} committed tokens the session knows"
             )
         committed = session.committed[:base_len] + [int(t) for t in new_token_ids]
-        with self.using(session):
-            proposal = drafter.propose(session.state, committed, num_tokens, session.cfg, session.rng,
-                                       min_confidence, session.constraint(committed))
+        out = self.draft_step(session, committed, num_tokens, min_confidence, chunk_tokens)
+        session.last_used = self._clock()
+        if isinstance(out, CatchUp):
+            return out
         session.committed = committed
         session.proposals += 1
-        session.last_used = self._clock()
-        return ProposeResult(proposal, len(committed))
+        return ProposeResult(out, len(committed))
+
+    def draft_step(self, session: DraftSession, committed: Sequence[int], num_tokens: int,
+                   min_confidence: float = 0.0, chunk_tokens: int = 0) -> Proposal | CatchUp:
+        """A draft call on ``committed``, or, when more than ``chunk_tokens``
+        (> 0) context tokens must be prefilled before it, one chunk of that
+        prefill (:class:`CatchUp`). NOT_FOUND once the session has ended:
+        a released session's catch-up stops at its next chunk."""
+        drafter = session.drafter
+        with self.using(session):
+            if chunk_tokens > 0 and drafter.pending(session.state, committed) > chunk_tokens:
+                fed, remaining, cached = drafter.catch_up(session.state, committed, chunk_tokens)
+                return CatchUp(fed, remaining, cached)
+            return drafter.propose(session.state, committed, num_tokens, session.cfg, session.rng,
+                                   min_confidence, session.constraint(committed))
 
     # ------------------------------------------------------------ KV budget
     @contextlib.contextmanager

@@ -209,6 +209,7 @@ class TliDrafter(Drafter):
         target_vocab_size: int,
         max_support: int = 64,
         lookbehind: int = 8,
+        prefill_chunk_tokens: int = 0,
     ) -> None:
         if max_support < 1 or lookbehind < 0:
             raise ValueError("max_support must be >= 1 and lookbehind >= 0")
@@ -229,7 +230,8 @@ class TliDrafter(Drafter):
         if inter.size == 0:
             raise ValueError("the draft and target vocabularies do not intersect")
         self.inter_target = vocab_map.draft_to_target[inter].astype(np.int32)  # [M] target ids of the intersection
-        self.loop = DraftLoop(model, max_support, Intersection(inter.astype(np.int64), self.inter_target))
+        self.loop = DraftLoop(model, max_support, Intersection(inter.astype(np.int64), self.inter_target),
+                              chunk_tokens=prefill_chunk_tokens)
         self.kv_model = model
 
     def kv_state(self, state: TliState) -> TliState:
@@ -243,9 +245,17 @@ class TliDrafter(Drafter):
         """Drafts on the re-tokenized committed text: at most
         ``req.num_tokens`` target ids with q over target ids; none when the
         committed text is empty so far or the draft context is full."""
+        return self.loop.run(state, self._context(state, req.committed), req)
+
+    def _context(self, state: TliState, committed: Sequence[int]) -> list[int]:
         try:
-            ctx = state.context.update(req.committed)
+            return state.context.update(committed)
         except Exception:
             state.reset()
             raise
-        return self.loop.run(state, ctx, req)
+
+    def pending(self, state: TliState, committed: Sequence[int]) -> int:
+        return self.loop.pending(state, self._context(state, committed))
+
+    def catch_up(self, state: TliState, committed: Sequence[int], max_tokens: int) -> tuple[int, int, int]:
+        return self.loop.catch_up(state, self._context(state, committed), max_tokens)

@@ -48,6 +48,10 @@ def add_speculation_arguments(p: argparse._ActionsContainer) -> FlagSet:
     f.add("target-verify-stream", default="on", choices=["on", "off"],
           help="Verify over one stream per session instead of a unary call per round (same answers, "
                "less per-round overhead; a target without the stream method gets unary calls)")
+    f.add("draft-prefill-overlap", default="auto", choices=["auto", "on", "off"],
+          help="unary: the draft takes the prompt in while the target prefills it (in the background; the "
+               "first token never waits for it); auto = on unless draft and target both run on CPU, where "
+               "they share the cores")
     f.add("draft-batch-events", default="on", choices=["on", "off"],
           help="draft streams send every ready drafted token in one message instead of one message per "
                "token (same tokens, fewer wake-ups per round)")
@@ -125,7 +129,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> OrchestratorConfig:
         speculation_max_streams=a.speculation_max_streams,
         draft_mode=a.draft_mode, run_ahead_tokens=a.run_ahead_tokens, decode_ahead=a.decode_ahead,
         target_verify_stream=a.target_verify_stream == "on",
-        draft_batch_events=a.draft_batch_events == "on",
+        draft_batch_events=a.draft_batch_events == "on", draft_prefill_overlap=a.draft_prefill_overlap,
         routing=RoutingConfig(discovery_interval_s=a.discovery_interval, backoff_s=a.replica_backoff,
                               target_load_factor=a.target_load_factor),
         tls=server_tls(a),

@@ -62,6 +62,10 @@ class OrchestratorConfig:
     # 0 = off. Wasted steps at a stop string or a cancel: at most this many.
     decode_ahead: int = 16
     target_timeout_s: float = 120.0  # one Verify/Prefill call (bounded by the client deadline)
+    # unary: the draft takes the prompt in while the target prefills it (a background Propose,
+    # never awaited before the first token): "on", "off", or "auto" = on unless draft and
+    # target both run on CPU (on one machine's cores the draft's prefill slows the target's)
+    draft_prefill_overlap: str = "auto"
     # Verify over one VerifyStream call per session instead of a unary call per
     # round (same answers; saves a call's set-up each round, docs/benchmarks.md);
     # a target without VerifyStream gets unary calls.

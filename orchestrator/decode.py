@@ -34,7 +34,13 @@ from specdec.errors import (
 from specdec.logging_util import log
 from specdec.sampling import SamplingConfig, SparseQ, TokenLogprob
 
-PREFILL_S_PER_TOKEN = 0.05  # a prefill's timeout grows by this much a prompt token (_prefill_timeout)
+# a prefill's timeout grows by this much a prompt token (_prefill_timeout): beside one busy stream
+# on 2 cores the target's chunks shrink to a few tokens and a 4,000-token prompt ran ~0.08 s a
+# token (948 chunks in the 320 s the old 0.05 allowed, docs/bench/long-prompt-rerun)
+PREFILL_S_PER_TOKEN = 0.12
+# a draft call's timeout grows by this much a context token it must take in first (_draft_timeout):
+# the 0.5B ONNX draft takes in ~2 ms a token on 2 cores (741 tokens in 1,383 ms), 5x margin
+DRAFT_S_PER_TOKEN = 0.01
 
 logger = logging.getLogger("specdec.orchestrator")
 
@@ -87,6 +93,10 @@ class DecodeParams:
     stop_token_ids: frozenset[int] = frozenset()  # ... which it ends after one of these (EOS)
     options: SessionOptions = field(default_factory=SessionOptions)  # kept by the target session (logprobs, grammar)
     draft_options: SessionOptions = field(default_factory=SessionOptions)  # kept by the draft session (grammar)
+    # unary: the draft takes in the prompt (a Propose of one token, in the background) while the
+    # target prefills it, for draft and target on different hardware; never awaited before the
+    # first token, and rounds run target-only until it is done
+    draft_prefill_overlap: bool = False
 
 
 class Decoder:
@@ -113,13 +123,21 @@ class Decoder:
         self.tracker = ChainTracker()
         self.stream_version = 0  # the last commit version sent on the stream (the open is 0)
         self.stream_known = 0  # committed tokens the stream has been sent
+        self.stream_drafted = 0  # committed tokens the stream had drafted after at its last span
+        self._warm: asyncio.Future[None] | None = None  # the draft's overlapped prompt prefill (draft_prefill_overlap)
 
     # --------------------------------------------------------------- helpers
     def _prefill_timeout(self, tokens: int) -> float:
-        """A prefill's own cap: ``target_timeout_s`` plus 50 ms a prompt token
+        """A prefill's own cap: ``target_timeout_s`` plus 120 ms a prompt token
         (a 4,000-token prompt prefilled in small chunks beside busy streams
         outlasts a fixed 120 s); the request's deadline still bounds it."""
         return self.p.target_timeout_s + PREFILL_S_PER_TOKEN * tokens
+
+    def _draft_timeout(self, tokens: int) -> float:
+        """A draft call's own cap: ``draft_timeout_s`` plus 10 ms a context
+        token it takes in before drafting (its catch-up prefill, chunked on
+        the draft, which keeps what it fed if the call is given up)."""
+        return self.p.draft_timeout_s + DRAFT_S_PER_TOKEN * max(0, tokens)
 
     def _timeout(self, cap: float) -> float:
         if self.p.deadline is None:
@@ -197,7 +215,7 @@ class Decoder:
                     self.committed[self.draft_known :],
                     gamma,
                     min_confidence,
-                    self._timeout(self.p.draft_timeout_s),
+                    self._timeout(self._draft_timeout(self._fed_tokens)),
                 )
                 self._draft_wall_ms = (time.perf_counter() - t0) * 1e3
                 problem = self._proposal_problem(reply, gamma)
@@ -223,6 +241,35 @@ class Decoder:
         self._count_fallback()
         return None
 
+    async def _create_draft_and_warm(self) -> None:
+        """Creates the draft session; with ``draft_prefill_overlap`` then
+        starts the draft's prompt prefill in the background (not awaited
+        here: the target's first token never waits for it)."""
+        await self._create_draft()
+        if self.p.draft_prefill_overlap and self.draft_sid is not None and len(self.p.prompt_ids) > 1:
+            self._warm = asyncio.ensure_future(self._warm_draft(self.draft_sid))
+
+    async def _warm_draft(self, sid: str) -> None:
+        """One Propose of a token on the prompt: the draft session takes the
+        prompt in (its proposal is dropped). A failure is only logged: the
+        first round's Propose takes in whatever is missing."""
+        assert self.draft is not None
+        prompt = self.p.prompt_ids
+        try:
+            reply = await self.draft.propose(sid, 0, prompt, 1, 0.0, self._timeout(self._draft_timeout(len(prompt))))
+        except SpecdecError as e:
+            log(logger, logging.INFO, "draft prompt prefill not finished; the first draft round takes it in",
+                error=e.message)
+            return
+        if self.draft_sid == sid and self.draft_known == 0 and reply.committed_len == len(prompt):
+            self.draft_known = reply.committed_len
+            self.stats.draft_cached_prompt_tokens += reply.cached_tokens
+            self.stats.draft_ms += reply.compute_ms
+
+    def _warming(self) -> bool:
+        """The draft's overlapped prompt prefill is still running."""
+        return self._warm is not None and not self._warm.done()
+
     def _count_fallback(self) -> None:
         """A round falls back to target-only because of the draft: count it
         and leave the draft alone for ``draft_retry_after_rounds`` rounds."""
@@ -236,6 +283,8 @@ class Decoder:
         """(γ, confidence stop) for the next round, from what is known now."""
         remaining = self.p.max_new_tokens - self.generated
         if remaining <= 0:
+            return 0, 0.0
+        if self._warming():  # the draft is still taking the prompt in: plain rounds meanwhile
             return 0, 0.0
         outlook = getattr(self.p.policy, "set_outlook", None)
         if outlook is not None and not self.streamed and self.draft is not None:
@@ -263,7 +312,7 @@ class Decoder:
         # is streamed.
         draft_task = None
         if self.draft is not None:
-            draft_task = asyncio.create_task(self._open_stream(0) if self.streamed else self._create_draft())
+            draft_task = asyncio.create_task(self._open_stream(0) if self.streamed else self._create_draft_and_warm())
         try:
             reply = await self.target.prefill(
                 self.p.prompt_ids, self.p.sampling, True, 0, self._timeout(self._prefill_timeout(len(self.p.prompt_ids))),
@@ -400,6 +449,7 @@ class Decoder:
         self.stream_version = 0
         self.tracker.sent(0, len(self.committed))
         self.stream_known = len(self.committed)
+        self.stream_drafted = 0
 
     async def _stream_commit(self, gamma: int, min_conf: float) -> None:
         """Sends the stream the tokens committed since the last message and
@@ -430,7 +480,8 @@ class Decoder:
                 self._count_fallback()
                 return None
         t0 = time.perf_counter()
-        stall = self._timeout(self.p.draft_timeout_s)
+        # the first span after an open (or a long commit) includes the stream's catch-up prefill
+        stall = self._timeout(self._draft_timeout(len(self.committed) - self.stream_drafted))
         try:
             while True:
                 for ev in self.stream.ready():
@@ -455,6 +506,7 @@ class Decoder:
             self._drop_stream(f"draft stream failed: {e.message}", fault=False,
                               back_off=not isinstance(e, ResourceExhausted))
             return None
+        self.stream_drafted = len(self.committed)
         tokens = span.tokens
         post = (span.post.token_id, span.post.q) if span.post is not None and tokens else None
         return ProposeReply(
@@ -573,6 +625,8 @@ class Decoder:
 
     async def close(self) -> None:
         """Releases both sessions (shielded: runs even when the request was cancelled)."""
+        if self._warm is not None and not self._warm.done():
+            self._warm.cancel()  # the draft stops its prefill at its next chunk (and at the release)
         tasks = []
         if self.target_sid is not None:
             tasks.append(self.target.release(self.target_sid, self.p.release_timeout_s))

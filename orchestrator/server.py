@@ -133,6 +133,7 @@ async def _attach_draft(
             drafter=default, reason=servicer.refused_drafters[default])
         return
     servicer.draft = draft
+    servicer.draft_device = dinfo.device
     servicer.default_drafter = default
     servicer.hosted_drafters = frozenset(infos)
     servicer.policies.set_cost_priors(draft_token_ms=costs)
@@ -229,6 +230,7 @@ async def start(config: OrchestratorConfig, ready_timeout_s: float = 1800.0) -> 
     servicer = OrchestratorServicer(config, tokenizer, target, None, limits, metrics)
     servicer.identify = guard.identify
     guard.on_reject = servicer.on_rejected
+    servicer.target_device = info.device
     servicer.set_speculation_limit(speculation_stream_limit(config.speculation_max_streams, info.device))
     # the target's measured t(k) starts every cost model (live rounds replace it)
     servicer.policies.set_cost_priors(verify_curve={p.tokens: p.ms for p in info.forward_cost})

@@ -99,6 +99,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.default_drafter = ""
         self.refused_drafters: dict[str, str] = {}  # name -> why it was refused at start-up
         self.hosted_drafters: frozenset[str] = frozenset()  # every drafter the draft hosted when it attached
+        self.target_device = ""  # ModelInfo.device of the target and of the draft once it attached
+        self.draft_device = ""
         self.metrics_port: int | None = None
         self.speculation_max_streams = 0  # 0 = unlimited (set from the target at start)
         self.identify: Callable[[grpc.aio.ServicerContext], str] | None = None  # the server guard's client identity
@@ -126,6 +128,15 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
         self.policies.allow = allow if max_streams > 0 else None
         log(logger, logging.INFO, "speculation load gate", max_streams=max_streams or "unlimited", hold_s=hold)
+
+    @property
+    def draft_prefill_overlap(self) -> bool:
+        """Whether unary requests overlap the draft's prompt prefill with the
+        target's (``draft_prefill_overlap``; auto: unless both run on CPU)."""
+        mode = self.cfg.draft_prefill_overlap
+        if mode != "auto":
+            return mode == "on"
+        return not (self.target_device.startswith("cpu") and self.draft_device.startswith("cpu"))
 
     @property
     def max_prompt_chars(self) -> int:
@@ -240,6 +251,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             stop_token_ids=frozenset() if req.ignore_eos else self.limits.eos_token_ids,
             options=options,
             draft_options=replace(options, top_logprobs=-1, grammar=options.grammar if self.cfg.draft_grammar else None),
+            draft_prefill_overlap=self.draft_prefill_overlap,
         )
 
     # -------------------------------------------------------------- Generate

@@ -323,7 +323,7 @@ class TargetEngine:
     def _chunk_tokens(self, session_id: str) -> int:
         """The next chunk's size (target_service/chunking.py); 0 = no chunking."""
         sizer = self.chunks
-        return sizer.size(bool(sizer.chunk_tokens) and self.kv.others_active(session_id, 1.0))
+        return sizer.size(bool(sizer.chunk_tokens) and self.kv.others_active(session_id, sizer.active_window_s()))
 
     def _time_forward(self, group: Sequence[tuple[int, _Row]], ms: float) -> None:
         tokens = sum(len(r.ids) for _, r in group)

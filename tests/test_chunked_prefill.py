@@ -273,3 +273,30 @@ def test_a_long_prompt_takes_small_chunks_only_while_another_session_decodes(tin
     assert 4 <= cut < 64, (cut, engine.chunks.step_ms, engine.chunks.prefill_ms_per_token)
     time.sleep(1.1)
     assert engine._chunk_tokens("new") == 64
+
+
+def test_a_co_tenant_counts_as_decoding_for_a_few_forwards_however_slow_they_are(tiny_models) -> None:  # type: ignore[no-untyped-def]
+    """The window in which another session counts as decoding is 1 s, or 3
+    forwards' time when forwards are slower (a contended or slow machine):
+    a stream whose rounds come more than a second apart because each forward
+    is slow keeps the chunks cut, instead of being starved by full ones."""
+    from target_service.chunking import ChunkSizer
+
+    sizer = ChunkSizer(256, 1.5)
+    sizer.observe(decode=True, prefill=False, tokens=1, ms=300.0)
+    assert sizer.active_window_s() == 1.0
+    sizer.observe(decode=False, prefill=True, tokens=8, ms=2500.0)  # a slow chunk
+    assert sizer.active_window_s() == 7.5
+    engine = TargetEngine(tiny_models.target, dtype="float32", prefill_chunk_tokens=64, prefill_share=0.3,
+                          prefix_cache=False)
+    a = engine.prefill(LONG[:40], SamplingConfig(), True)
+    v = engine.verify(a.session_id, a.cache_len, [a.next_token], [], [])
+    engine.verify(a.session_id, v.cache_len, [v.result.next_token], [], [])
+    engine.prefill(LONG, SamplingConfig(), True)
+    engine.kv.get(a.session_id)
+    time.sleep(1.1)  # A's last round is over a second old ...
+    assert engine._chunk_tokens("new") == 64  # negative control: fast forwards, A counts as idle
+    engine.kv.get(a.session_id)
+    time.sleep(1.1)
+    engine.chunks.last_ms = 1000.0  # ... but forwards now take a second each: A is still decoding
+    assert 4 <= engine._chunk_tokens("new") < 64
