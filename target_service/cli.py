@@ -74,6 +74,9 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "") -> FlagSet:
     f.add("kv-protect-active", dest="target_kv_protect", type=float, default=10.0,
           help="target: a new session never evicts one used within this many seconds (it gets "
                "RESOURCE_EXHAUSTED instead; 0 = plain LRU eviction)")
+    f.add("memory-trim-interval", dest="target_memory_trim", type=float, default=1.0,
+          help="target: between batches, at most every this many seconds, free heap memory goes back to the "
+               "system (malloc_trim; without it RSS follows the peak of the KV copies, not the KV held); < 0 = never")
     f.add("max-span", dest="target_max_span", type=int, default=32, help="target: longest drafted span a Verify accepts")
     p.set_defaults(target_flags=f)  # the parsed args carry the flag set, to name flags in errors
     return f
@@ -104,6 +107,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> TargetServiceConfig:
         max_batch_tokens=a.max_batch_tokens, max_queue=a.max_queue,
         max_sessions=a.target_max_sessions, session_ttl_s=a.target_session_ttl,
         kv_protect_active_s=a.target_kv_protect, max_span=a.target_max_span,
+        memory_trim_interval_s=a.target_memory_trim,
     )
     try:
         cfg.validate()

@@ -48,6 +48,9 @@ class TargetServiceConfig:
     # RESOURCE_EXHAUSTED instead (admission control; 0 = plain LRU eviction)
     kv_protect_active_s: float = 10.0
     max_context_tokens: int = 0  # 0 = the model's max_position_embeddings
+    # between batches, at most this often, glibc's free heap pages go back to the
+    # system (malloc_trim; specdec/memory.py says why); < 0 = never
+    memory_trim_interval_s: float = 1.0
     max_span: int = 32  # longest drafted span accepted by Verify
     max_draft_support: int = 4096  # largest sparse q accepted per position
     session_ttl_s: float = 600.0  # idle sessions are reaped after this

@@ -50,6 +50,7 @@ from specdec.sampling import (
     session_generator,
     token_logprobs,
 )
+from specdec.memory import TrimPacer
 from specdec.session_ids import new_session_id
 from specdec.tokenization import eos_token_ids
 from specdec.validation import check_token_ids
@@ -113,6 +114,7 @@ class TargetEngine:
         prefix_cache_entries: int = 64,
         prefix_cache_min_tokens: int = 16,
         max_context_tokens: int = 0,
+        memory_trim_interval_s: float = 1.0,
         max_span: int = 32,
         max_draft_support: int = 4096,
         model_name: str | None = None,
@@ -128,7 +130,9 @@ class TargetEngine:
         target_service/kv_manager.py); ``prefill_chunk_tokens`` 0 = every
         prompt in one forward. ``prefix_cache``: keep prompts and released
         sessions' tokens with their KV and start a new prompt from the
-        longest stored prefix (target_service/prefix_cache.py)."""
+        longest stored prefix (target_service/prefix_cache.py).
+        ``memory_trim_interval_s``: between batches, at most this often, the
+        heap's free pages go back to the system (specdec/memory.py; < 0 = never)."""
         self.device = pick_device(device)
         self.dtype = parse_dtype(dtype)
         self.backend = backend
@@ -158,6 +162,10 @@ class TargetEngine:
         self.kv.prefix = self.prefix
         self._parked: list[TargetSession] = []  # released sessions, stored in the prefix cache by the model thread
         self._parked_lock = threading.Lock()
+        # KV tensors are freed and reallocated a little larger every step, and a batched
+        # forward copies every session's cache into one padded batch: glibc keeps what
+        # they free in the heap, and RSS would follow their high-water mark (specdec/memory.py)
+        self.trim = TrimPacer(memory_trim_interval_s)
         self.prefill_chunks = 0  # chunk forwards run (chunked prefills only)
         self._measured = False  # whether kv.bytes_per_token was measured on a real cache
         self.max_span = max_span
@@ -188,6 +196,20 @@ class TargetEngine:
     def evictions(self) -> int:
         return self.kv.evictions
 
+    def referenced_kv_bytes(self) -> int:
+        """Bytes of the KV storages the sessions, the parked released
+        sessions and the prefix cache's entries keep alive, each storage
+        once (a view keeps its whole base): what the KV manager's count
+        (``kv.used_bytes``) should match (tests/test_kv_memory.py)."""
+        seen: set[int] = set()
+        with self._parked_lock:
+            parked = list(self._parked)
+        sessions = [s for s in (self.kv.peek(sid) for sid in self.kv.session_ids()) if s is not None] + parked
+        total = sum(kv.storage_bytes(kv.cache_tensors(s.cache), seen) for s in sessions)
+        if self.prefix is not None:
+            total += kv.storage_bytes((t for e in self.prefix.entries() for kvs in e.layers for t in kvs), seen)
+        return total
+
     def release(self, session_id: str) -> bool:
         """Frees the session; True when it existed (see KVManager.release).
         With the prefix cache on, its tokens and KV are kept as an entry: the
@@ -207,8 +229,8 @@ class TargetEngine:
             self._store_prefix(sess)
 
     def _store_prefix(self, sess: TargetSession) -> None:
-        """Keeps the session's tokens and KV (by reference) in the prefix
-        cache, when they agree (a session whose last step failed is not kept)."""
+        """Keeps the session's tokens and KV (by reference, or a copy where a
+        layer is a view of a larger tensor) in the prefix cache, when they agree (a session whose last step failed is not kept)."""
         if self.prefix is None or not sess.tokens:
             return
         if not (len(sess.tokens) == sess.cache_len == kv.length(sess.cache)):
@@ -217,7 +239,9 @@ class TargetEngine:
             return  # nothing new to keep: make no room for it
         if not self.kv.room_for_prefix(len(sess.tokens)):
             return  # entries never push sessions out
-        layers = [kv.layer_kv(sess.cache, li) for li in range(kv.num_layers(sess.cache))]
+        # tensors of their own: a rolled-back layer is a view that keeps the rejected tokens' storage
+        layers = [(kv.owned(k), kv.owned(v)) for k, v in
+                  (kv.layer_kv(sess.cache, li) for li in range(kv.num_layers(sess.cache)))]
         self.prefix.store(sess.tokens, layers)
 
     def _from_prefix(self, sess: TargetSession, token_ids: Sequence[int]) -> int:
@@ -265,12 +289,6 @@ class TargetEngine:
         """One forward pass over several sessions (target_service/runner.py)."""
         return runner.forward_batch(self.model, self.device, self._cache_kwarg,
                                     [runner.BatchRow(r.sess.cache, r.ids, r.keep, r.past) for r in rows])
-
-    @staticmethod
-    def _compact(sess: TargetSession) -> None:
-        """Copies a session's KV out of a batched cache (views would keep the
-        whole padded batch alive)."""
-        kv.compact(sess.cache)
 
     def _pick(self, logits: torch.Tensor, sess: TargetSession) -> int:
         """One plain decoding step from logits [V]."""
@@ -454,6 +472,7 @@ class TargetEngine:
             (AssertionError("not run"), ForwardInfo(0, 0)) for _ in calls
         ]
         self._store_parked()  # sessions released since the last batch: their prefixes count for this one
+        self.trim.maybe_trim()  # what the last batches freed goes back to the system
         rows: list[tuple[int, _Row]] = []
         # sessions named in this batch are never evicted to make room for their batch-mates
         protect: set[str] = {c.session_id for c in calls if isinstance(c, VerifyCall)}
@@ -527,8 +546,6 @@ class TargetEngine:
                     logger.exception("verification failed")
                     self._drop(r)
                     results[i] = (e, info)
-                if len(group) > 1:
-                    self._compact(r.sess)
                 if isinstance(results[i][0], PrefillOutcome):
                     self._store_prefix(r.sess)  # its prompt, for requests that share it while this one runs
         return results

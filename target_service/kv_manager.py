@@ -154,6 +154,11 @@ class KVManager(Generic[S]):
             self.bytes_per_token = bytes_per_token
 
     # --------------------------------------------------------------- sessions
+    def peek(self, session_id: str) -> S | None:
+        """The session, or None; does not count as a use."""
+        with self.lock:
+            return self._sessions.get(session_id)
+
     def get(self, session_id: str) -> S:
         with self.lock:
             sess = self._sessions.get(session_id)

@@ -98,6 +98,11 @@ class PrefixCache:
     def num_entries(self) -> int:
         return len(self._entries)
 
+    def entries(self) -> list[PrefixEntry]:
+        """The entries, least recently used first (a snapshot)."""
+        with self._lock:
+            return list(self._entries.values())
+
     def lookup(self, prompt: Sequence[int]) -> PrefixHit | None:
         """The entry sharing the longest prefix with ``prompt``, cut so that
         at least the prompt's last token is left to compute (its logits give

@@ -34,15 +34,16 @@ def forward(model: Any, device: torch.device, cache_kwarg: str, cache: kv.Dynami
 def forward_batch(model: Any, device: torch.device, cache_kwarg: str, rows: Sequence[BatchRow]) -> list[torch.Tensor]:
     """One forward pass over several sessions; returns each row's logits of
     its last ``keep`` positions ([keep, V] float32) and leaves each
-    session's cache holding its past + ``ids`` (like :func:`forward`), as
-    views into the batched cache until the engine compacts them.
+    session's cache holding its past + ``ids`` (like :func:`forward`), in
+    tensors of its own; when the forward fails, each as it was.
 
     Layout, with P = max past and N = max new tokens: each session's past
     KV is left-padded to P and its new tokens right-padded to N, so its real
     positions are the contiguous range [P - past, P + n) of the batched
     cache. A 2D attention mask zeroes the padding, position_ids carry each
     row's own positions (past + j), and the causal mask (in cache
-    coordinates) does the rest. Padded query rows always see at least their
+    coordinates) does the rest. The padded batch is built one layer at a
+    time, as the model reaches it (kv_adapter.RowsLayer). Padded query rows always see at least their
     row's real tokens, so no softmax row is fully masked.
     """
     dev = device
@@ -57,37 +58,25 @@ def forward_batch(model: Any, device: torch.device, cache_kwarg: str, rows: Sequ
         input_ids[i, :n] = torch.tensor(r.ids, dtype=torch.long)
         positions[i] = torch.arange(r.past, r.past + n_max)
         mask[i, p - r.past : p + n] = 1
-    cache = kv.new_cache(model.config)
-    if p > 0:
-        ref = next(r for r in rows if r.past > 0).cache
-        for li in range(kv.num_layers(cache)):
-            src_k, src_v = kv.layer_kv(ref, li)
-            keys = src_k.new_zeros((b, src_k.shape[1], p, src_k.shape[3]))
-            values = src_v.new_zeros((b, src_v.shape[1], p, src_v.shape[3]))
-            for i, r in enumerate(rows):
-                if r.past:
-                    rk, rv = kv.layer_kv(r.cache, li)
-                    keys[i, :, p - r.past :] = rk[0]
-                    values[i, :, p - r.past :] = rv[0]
-            kv.set_layer_kv(cache, li, keys, values)
+    cache = kv.batch_cache(model.config, [(r.cache, r.past, len(r.ids)) for r in rows])
     first = min(len(r.ids) - r.keep for r in rows)  # earliest position whose logits are needed
-    out = model(
-        input_ids=input_ids.to(dev),
-        attention_mask=mask.to(dev),
-        position_ids=positions.to(dev),
-        use_cache=True,
-        logits_to_keep=n_max - first,
-        **{cache_kwarg: cache},
-    )
+    try:
+        out = model(
+            input_ids=input_ids.to(dev),
+            attention_mask=mask.to(dev),
+            position_ids=positions.to(dev),
+            use_cache=True,
+            logits_to_keep=n_max - first,
+            **{cache_kwarg: cache},
+        )
+    except BaseException:
+        for layer in cache.layers:  # the sessions' caches as they were (the engine retries the rows one by one)
+            layer.undo()
+        raise
     logits: list[torch.Tensor] = []
     for i, r in enumerate(rows):
         n = len(r.ids)
         lo = n - r.keep - first
         logits.append(out.logits[i, lo : lo + r.keep].float())
-        for li in range(kv.num_layers(cache)):
-            keys, values = kv.layer_kv(cache, li)
-            # views into the batched cache until _compact copies them out
-            kv.set_layer_kv(r.cache, li, keys[i : i + 1, :, p - r.past : p + n],
-                            values[i : i + 1, :, p - r.past : p + n])
     return logits
 

@@ -393,6 +393,7 @@ def load_engine(config: TargetServiceConfig) -> tuple[TargetEngine, str, Calibra
         prefix_cache_entries=config.prefix_cache_entries,
         protect_active_s=config.kv_protect_active_s,
         max_context_tokens=config.max_context_tokens,
+        memory_trim_interval_s=config.memory_trim_interval_s,
         max_span=config.max_span,
         max_draft_support=config.max_draft_support,
         model_name=resolved.name,
