@@ -8,11 +8,9 @@ prefill never holds back the target's first token."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import threading
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -21,11 +19,13 @@ import pytest
 from draft_service.config import DrafterSpec, DraftServiceConfig
 from draft_service.drafter import OnnxDrafter
 from draft_service.onnx_model import OnnxCausalLM
-from draft_service.server import DraftServer, start
+from draft_service.server import DraftServer
 from draft_service.sessions import CatchUp, ProposeResult, SessionStore
 from specdec.sampling import SamplingConfig
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from tests.stack import make_request, start_stack
+from tests.test_draft_kv import _config as kv_config
+from tests.test_draft_kv import _propose, serve
 
 if TYPE_CHECKING:
     from tests.conftest import TinyModels, TinyOnnx
@@ -97,27 +97,8 @@ def test_chunked_feed_inside_one_call_gives_the_same_logits(model: OnnxCausalLM)
 
 # ------------------------------------------------------------------ server
 def _config(tiny_models: TinyModels, tiny_onnx: TinyOnnx, **overrides: Any) -> DraftServiceConfig:
-    cfg = DraftServiceConfig(
-        drafters=[DrafterSpec(name="tiny", model=str(tiny_models.draft), precision="fp32")],
-        host="127.0.0.1", port=0, intra_op_threads=1, cache_dir=tiny_onnx.cache_dir, max_sessions=8,
-        warmup=False, prefill_chunk_tokens=4,
-    )
-    return dataclasses.replace(cfg, **overrides)
-
-
-@contextlib.asynccontextmanager
-async def serve(config: DraftServiceConfig) -> AsyncIterator[tuple[DraftServer, draft_pb2_grpc.DraftStub]]:
-    server = await start(config)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    try:
-        yield server, draft_pb2_grpc.DraftStub(channel)
-    finally:
-        await channel.close()
-        await server.stop(0)
-
-
-def _propose(sid: str, new: list[int], n: int, base: int = 0) -> draft_pb2.ProposeRequest:
-    return draft_pb2.ProposeRequest(session_id=sid, base_len=base, new_token_ids=new, num_tokens=n)
+    """tests/test_draft_kv.py's tiny draft service, with catch-up chunks of 4 tokens."""
+    return kv_config(tiny_models, tiny_onnx, **{"prefill_chunk_tokens": 4, **overrides})
 
 
 async def _session(stub: draft_pb2_grpc.DraftStub) -> str:
