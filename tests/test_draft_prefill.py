@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
-from draft_service.config import DrafterSpec, DraftServiceConfig
+from draft_service.config import DraftServiceConfig
 from draft_service.drafter import OnnxDrafter
 from draft_service.onnx_model import OnnxCausalLM
 from draft_service.server import DraftServer
