@@ -62,6 +62,7 @@ from target_service import kv_adapter as kv
 from target_service import runner
 from target_service.kv_manager import KVManager, kv_bytes_per_token
 from target_service.prefix_cache import PrefixCache
+from target_service import session_prefix
 from target_service.chunking import ChunkSizer
 from target_service import checks
 from target_service.constrained import mask_rows
@@ -199,16 +200,12 @@ class TargetEngine:
     def referenced_kv_bytes(self) -> int:
         """Bytes of the KV storages the sessions, the parked released
         sessions and the prefix cache's entries keep alive, each storage
-        once (a view keeps its whole base): what the KV manager's count
-        (``kv.used_bytes``) should match (tests/test_kv_memory.py)."""
-        seen: set[int] = set()
+        once: what the KV manager's count (``kv.used_bytes``) should match
+        (tests/test_kv_memory.py)."""
         with self._parked_lock:
             parked = list(self._parked)
         sessions = [s for s in (self.kv.peek(sid) for sid in self.kv.session_ids()) if s is not None] + parked
-        total = sum(kv.storage_bytes(kv.cache_tensors(s.cache), seen) for s in sessions)
-        if self.prefix is not None:
-            total += kv.storage_bytes((t for e in self.prefix.entries() for kvs in e.layers for t in kvs), seen)
-        return total
+        return session_prefix.referenced_bytes(sessions, self.prefix)
 
     def release(self, session_id: str) -> bool:
         """Frees the session; True when it existed (see KVManager.release).
@@ -229,34 +226,7 @@ class TargetEngine:
             self._store_prefix(sess)
 
     def _store_prefix(self, sess: TargetSession) -> None:
-        """Keeps the session's tokens and KV (by reference, or a copy where a
-        layer is a view of a larger tensor) in the prefix cache, when they agree (a session whose last step failed is not kept)."""
-        if self.prefix is None or not sess.tokens:
-            return
-        if not (len(sess.tokens) == sess.cache_len == kv.length(sess.cache)):
-            return
-        if self.prefix.covers(sess.tokens):
-            return  # nothing new to keep: make no room for it
-        if not self.kv.room_for_prefix(len(sess.tokens)):
-            return  # entries never push sessions out
-        # tensors of their own: a rolled-back layer is a view that keeps the rejected tokens' storage
-        layers = [(kv.owned(k), kv.owned(v)) for k, v in
-                  (kv.layer_kv(sess.cache, li) for li in range(kv.num_layers(sess.cache)))]
-        self.prefix.store(sess.tokens, layers)
-
-    def _from_prefix(self, sess: TargetSession, token_ids: Sequence[int]) -> int:
-        """Starts ``sess``'s cache from the longest stored prefix of
-        ``token_ids`` (views of the entry's tensors, cut to the shared
-        length); returns how many tokens it holds (0 = no hit)."""
-        if self.prefix is None:
-            return 0
-        hit = self.prefix.lookup(token_ids)
-        if hit is None:
-            return 0
-        for li, (keys, values) in enumerate(hit.entry.layers):
-            kv.set_layer_kv(sess.cache, li, keys[:, :, : hit.length], values[:, :, : hit.length])
-        sess.cache_len = sess.cached_tokens = hit.length
-        return hit.length
+        session_prefix.store(self.prefix, self.kv, sess)
 
     def reap_idle(self, ttl_s: float) -> int:
         """Releases sessions idle for longer than ``ttl_s``; returns how many."""
@@ -319,7 +289,7 @@ class TargetEngine:
         if sess.grammar is not None:
             sess.grammar.follow(token_ids, 0)  # a rebuilt session's generated tokens (prompt tokens are skipped)
         sess.tokens = list(token_ids)
-        past = self._from_prefix(sess, token_ids)
+        past = session_prefix.start_from(self.prefix, sess, token_ids)
         chunk = self._chunk_tokens(sess.session_id)
         if chunk and len(token_ids) - past > chunk:  # in chunks: the whole prompt is held in the budget meanwhile
             self.kv.reserve(sess.session_id, len(token_ids))
