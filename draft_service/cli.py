@@ -21,8 +21,9 @@ SERVICE = "draft"
 MODEL_DRAFTER = "qwen2.5-coder-0.5b"  # the same-tokenizer model drafter (--draft-model)
 TLI_DRAFTER = "smollm2-135m"  # the different-tokenizer drafter (token-level intersection)
 PROMPT_LOOKUP_DRAFTER = "prompt-lookup"  # model-free n-gram drafter
-AUTO_DRAFTER = "auto"  # optional: prompt lookup while it matches well, else the model drafter
-DEFAULT_DRAFTERS = f"{MODEL_DRAFTER},{TLI_DRAFTER},{PROMPT_LOOKUP_DRAFTER}"
+AUTO_DRAFTER = "auto"  # prompt lookup while it matches well, else the model drafter: the default
+BUILTIN_DRAFTERS = (MODEL_DRAFTER, TLI_DRAFTER, PROMPT_LOOKUP_DRAFTER, AUTO_DRAFTER)
+DEFAULT_DRAFTERS = ",".join(BUILTIN_DRAFTERS)
 DEFAULT_TLI_MODEL = "smollm2-135m-instruct"
 PRECISIONS = ["int4", "int8", "fp32", "fp16"]
 
@@ -42,9 +43,10 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "", *, spin_defau
           help="onnxruntime worker spin-waiting (on: lower draft latency; off: frees CPU for a co-located target)")
     f.add("drafters", prefixed=False, default=DEFAULT_DRAFTERS,
           help=f"comma-separated drafters the draft service hosts (built-ins: {DEFAULT_DRAFTERS}; "
-               f"optional: {AUTO_DRAFTER}, prompt lookup while it matches well, else the model drafter)")
+               f"{AUTO_DRAFTER}: prompt lookup while it matches well, else the model drafter)")
     f.add("default-drafter", prefixed=False, default=None,
-          help=f"drafter for requests that name none (default: {MODEL_DRAFTER} when hosted, else the first)")
+          help=f"drafter for requests that name none (default: {AUTO_DRAFTER} when hosted, else {MODEL_DRAFTER} "
+               "when hosted, else the first; docs/drafters.md has the measurements behind it)")
     f.add("tli-model", dest="tli_model", default=DEFAULT_TLI_MODEL,
           help=f"model of the {TLI_DRAFTER} (different-tokenizer) drafter")
     f.add("tli-precision", dest="tli_precision", default="int4", choices=PRECISIONS,
@@ -72,9 +74,9 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "", *, spin_defau
 def drafter_names(a: argparse.Namespace) -> list[str]:
     """The hosted drafters named by --drafters (a bad list stops here)."""
     names = [n.strip() for n in str(a.drafters).split(",") if n.strip()]
-    unknown = [n for n in names if n not in (MODEL_DRAFTER, TLI_DRAFTER, PROMPT_LOOKUP_DRAFTER, AUTO_DRAFTER)]
+    unknown = [n for n in names if n not in BUILTIN_DRAFTERS]
     if unknown or not names:
-        raise cli_error(f"--drafters: unknown or empty {unknown or names}; built-ins: {DEFAULT_DRAFTERS},{AUTO_DRAFTER}")
+        raise cli_error(f"--drafters: unknown or empty {unknown or names}; built-ins: {DEFAULT_DRAFTERS}")
     if AUTO_DRAFTER in names and MODEL_DRAFTER not in names and TLI_DRAFTER not in names:
         raise cli_error(f"--drafters: {AUTO_DRAFTER} needs {MODEL_DRAFTER} or {TLI_DRAFTER} as its fallback")
     return names
@@ -103,10 +105,10 @@ def config_from_args(a: argparse.Namespace, port: int) -> DraftServiceConfig:
         else:
             specs.append(DrafterSpec(name=PROMPT_LOOKUP_DRAFTER, kind="prompt-lookup"))
     hosted = [d.name for d in specs]
-    default = a.default_drafter or MODEL_DRAFTER
-    default = model_name if default == MODEL_DRAFTER and model_name in hosted else default
-    if a.default_drafter is None and default not in hosted:
-        default = hosted[0]
+    if a.default_drafter is not None:
+        default = model_name if a.default_drafter == MODEL_DRAFTER and model_name in hosted else a.default_drafter
+    else:
+        default = next((d for d in (AUTO_DRAFTER, model_name) if d in hosted), hosted[0])
     return DraftServiceConfig(
         host=a.host, port=port, drafters=specs, default_drafter=default,
         target_tokenizer=a.target_tokenizer or DEFAULT_TARGET,

@@ -208,3 +208,34 @@ def test_auto_drafter_uses_prompt_lookup_while_it_matches() -> None:
     p = auto.propose(state, [1, 2, 3, 4, 3], 3, cfg, rng)  # a rebuilt session: only the 1-gram [3] matches
     assert p.token_ids == [99]  # below min_ngram
     assert (state.used_lookup, state.used_model) == (3, 3)
+
+
+@pytest.mark.parametrize("argv, hosted, default", [
+    # the defaults: all four built-ins, `auto` serving requests that name no drafter
+    ([], ["qwen2.5-coder-0.5b", "smollm2-135m", "prompt-lookup", "auto"], "auto"),
+    # without `auto`, the model drafter; without either, the first hosted
+    (["--drafters", "prompt-lookup,qwen2.5-coder-0.5b"], ["prompt-lookup", "qwen2.5-coder-0.5b"], "qwen2.5-coder-0.5b"),
+    (["--drafters", "smollm2-135m,prompt-lookup"], ["smollm2-135m", "prompt-lookup"], "smollm2-135m"),
+    # an explicit choice always wins
+    (["--default-drafter", "prompt-lookup"], ["qwen2.5-coder-0.5b", "smollm2-135m", "prompt-lookup", "auto"],
+     "prompt-lookup"),
+])
+def test_draft_service_default_drafter(argv: list[str], hosted: list[str], default: str) -> None:
+    from draft_service.cli import config_from_args
+    from specdec_app.cli import build_parser
+
+    cfg = config_from_args(build_parser().parse_args(["serve", "draft", *argv]), 0)
+    assert [d.name for d in cfg.drafters] == hosted
+    assert cfg.default_name == default
+    if "auto" in hosted:  # auto falls back to the same-tokenizer model drafter when it is hosted
+        assert next(d for d in cfg.drafters if d.name == "auto").fallback == "qwen2.5-coder-0.5b"
+
+
+def test_draft_service_refuses_an_unknown_default_drafter() -> None:
+    from draft_service.cli import config_from_args
+    from specdec_app.cli import build_parser
+
+    cfg = config_from_args(build_parser().parse_args(
+        ["serve", "draft", "--drafters", "qwen2.5-coder-0.5b", "--default-drafter", "prompt-lookup"]), 0)
+    with pytest.raises(ValueError, match="default_drafter 'prompt-lookup' is not one of"):
+        cfg.validate()  # the server validates its config before it loads anything
