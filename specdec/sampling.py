@@ -147,10 +147,38 @@ def token_logprobs(
     return [TokenLogprob(int(t), float(c), tp) for t, c, tp in zip(tokens, chosen, top)]
 
 
+def _cpu_rows(logits: torch.Tensor) -> np.ndarray | None:
+    """[k, V] float32 logits on the CPU as a numpy view (None elsewhere):
+    numpy's SIMD reductions take ~10 µs over a 152k vocabulary where
+    torch's CPU argmax and topk take ~270 µs on one thread
+    (docs/benchmarks.md, "Where a quantized step's time goes")."""
+    if logits.device.type != "cpu":
+        return None
+    return logits.detach().float().contiguous().numpy()
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """The argmax of each row of [k, V] logits (the first on ties, NaN
+    counting as the largest, as ``torch.argmax``)."""
+    rows = _cpu_rows(logits)
+    if rows is None:
+        return torch.argmax(logits, dim=-1).tolist()
+    return np.argmax(rows, axis=-1).tolist()
+
+
 def logit_gaps(logits: torch.Tensor) -> list[float]:
     """Top-1 minus top-2 raw logit per row. logits: [k, V] -> k floats."""
-    top2 = torch.topk(logits.float(), 2, dim=-1).values  # [k, 2]
-    return (top2[:, 0] - top2[:, 1]).tolist()
+    rows = _cpu_rows(logits)
+    if rows is None or rows.shape[-1] < 2:
+        top2 = torch.topk(logits.float(), 2, dim=-1).values  # [k, 2]
+        return (top2[:, 0] - top2[:, 1]).tolist()
+    gaps = []
+    for row in rows:
+        i = int(np.argmax(row))
+        rest = row.copy()
+        rest[i] = -np.inf
+        gaps.append(float(row[i] - rest.max()))  # in float32, as torch subtracts its top 2
+    return gaps
 
 
 SparseQ = tuple[np.ndarray, np.ndarray]  # (ids [K], probs [K]): one sparse draft distribution

@@ -42,6 +42,7 @@ from specdec.sampling import (
     SamplingConfig,
     SparseQ,
     VerifyResult,
+    argmax_rows,
     greedy_verify,
     logit_gaps,
     process_logits,
@@ -263,7 +264,7 @@ class TargetEngine:
     def _pick(self, logits: torch.Tensor, sess: TargetSession) -> int:
         """One plain decoding step from logits [V]."""
         if sess.cfg.greedy:
-            return int(torch.argmax(logits))
+            return argmax_rows(logits[None])[0]
         return sample(process_logits(logits[None], sess.cfg)[0], sess.generator)
 
     def _prepare_prefill(self, call: PrefillCall, protect: set[str], reserved: int, new_sessions: int) -> _Row:
@@ -401,7 +402,7 @@ class TargetEngine:
                 draft_ids, draft_q, post_id = draft_ids[:dead], draft_q[:dead], None
                 rows = rows[: dead + 1]
         if sess.cfg.greedy:
-            res = greedy_verify(draft_ids, torch.argmax(rows, dim=-1).tolist(), post_id)
+            res = greedy_verify(draft_ids, argmax_rows(rows), post_id)
         else:
             # γ = 0 without a post token: one multinomial draw from row 0, as plain sampling
             probs = process_logits(rows, sess.cfg)

@@ -532,3 +532,28 @@ def test_session_streams_derive_from_one_helper() -> None:
     assert not torch.equal(draws(session_generator(7, 3)), draws(session_generator(7, 0)))
     assert not torch.equal(draws(session_generator(7, 3)), draws(make_generator(10)))
     assert not np.array_equal(session_rng(7, 3).random(8), session_rng(10, 0).random(8))
+
+
+def test_row_argmax_and_logit_gaps_match_torch_on_ties_and_infinities() -> None:
+    """The engine's greedy choice and logit gaps (numpy on CPU) are torch's
+    argmax (first index on ties) and top-1 minus top-2, bit for bit."""
+    from specdec.sampling import argmax_rows, logit_gaps
+
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(6, 151_936, generator=g) * 4
+    rows[1, 10] = rows[1, 99_000] = rows[1].max() + 1  # a tie for the top: the first index, gap 0
+    rows[2] = float("-inf")
+    rows[2, 5], rows[2, 7] = 2.5, 1.0  # all but two masked (a grammar): the gap is between the two
+    rows[3] = torch.round(rows[3])  # many ties below the top
+    rows[4, :] = 0.0
+    rows[4, 150_000] = 1e-7  # a gap at float32's resolution
+    want_ids = torch.argmax(rows, dim=-1).tolist()
+    top2 = torch.topk(rows, 2, dim=-1).values
+    want_gaps = (top2[:, 0] - top2[:, 1]).tolist()
+    assert argmax_rows(rows) == want_ids and want_ids[1] == 10 and want_ids[2] == 5
+    assert logit_gaps(rows) == want_gaps and want_gaps[1] == 0.0 and want_gaps[2] == 1.5
+    # a strided view (the last rows of a longer pass) gives the same as its copy
+    assert argmax_rows(rows[::2]) == want_ids[::2] and logit_gaps(rows[::2]) == want_gaps[::2]
+    # negative control: a row changed after the fact changes the answer
+    rows[0, want_ids[0]] -= 100.0
+    assert argmax_rows(rows)[0] != want_ids[0]
