@@ -21,7 +21,7 @@ SERVICE = "draft"
 MODEL_DRAFTER = "qwen2.5-coder-0.5b"  # the same-tokenizer model drafter (--draft-model)
 TLI_DRAFTER = "smollm2-135m"  # the different-tokenizer drafter (token-level intersection)
 PROMPT_LOOKUP_DRAFTER = "prompt-lookup"  # model-free n-gram drafter
-AUTO_DRAFTER = "auto"  # prompt lookup while it matches well, else the model drafter: the default
+AUTO_DRAFTER = "auto"  # prompt lookup while it matches well, else the model drafter
 BUILTIN_DRAFTERS = (MODEL_DRAFTER, TLI_DRAFTER, PROMPT_LOOKUP_DRAFTER, AUTO_DRAFTER)
 DEFAULT_DRAFTERS = ",".join(BUILTIN_DRAFTERS)
 DEFAULT_TLI_MODEL = "smollm2-135m-instruct"
@@ -45,8 +45,8 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "", *, spin_defau
           help=f"comma-separated drafters the draft service hosts (built-ins: {DEFAULT_DRAFTERS}; "
                f"{AUTO_DRAFTER}: prompt lookup while it matches well, else the model drafter)")
     f.add("default-drafter", prefixed=False, default=None,
-          help=f"drafter for requests that name none (default: {AUTO_DRAFTER} when hosted, else {MODEL_DRAFTER} "
-               "when hosted, else the first; docs/drafters.md has the measurements behind it)")
+          help=f"drafter for requests that name none (default: {MODEL_DRAFTER} when hosted, else the first; "
+               "docs/drafters.md has the measurements behind it)")
     f.add("tli-model", dest="tli_model", default=DEFAULT_TLI_MODEL,
           help=f"model of the {TLI_DRAFTER} (different-tokenizer) drafter")
     f.add("tli-precision", dest="tli_precision", default="int4", choices=PRECISIONS,
@@ -108,7 +108,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> DraftServiceConfig:
     if a.default_drafter is not None:
         default = model_name if a.default_drafter == MODEL_DRAFTER and model_name in hosted else a.default_drafter
     else:
-        default = next((d for d in (AUTO_DRAFTER, model_name) if d in hosted), hosted[0])
+        default = model_name if model_name in hosted else hosted[0]
     return DraftServiceConfig(
         host=a.host, port=port, drafters=specs, default_drafter=default,
         target_tokenizer=a.target_tokenizer or DEFAULT_TARGET,

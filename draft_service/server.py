@@ -473,6 +473,10 @@ async def start(config: DraftServiceConfig) -> DraftServer:
         for spec in sorted(config.drafters, key=lambda d: d.kind == "auto"):
             if spec.kind == "auto":
                 loaded, t = await worker.run(load_auto_drafter, spec, drafters[spec.fallback])
+                # its cost prior is its fallback's: what a round costs when prompt lookup has
+                # nothing. Without one the orchestrator assumed 20 ms a token, and on a target
+                # of ~60 ms a step that kept a fresh stack's AUTO from drafting with it at all
+                loaded.token_ms = drafters[spec.fallback].token_ms
                 drafters[spec.name] = loaded
                 log(logger, logging.INFO, "drafter ready", drafter=spec.name, kind=spec.kind, fallback=spec.fallback)
                 continue

@@ -108,6 +108,11 @@ def test_every_drafter_reports_the_target_vocabulary(multi_stack: Stack, tli_mod
         info = stub.GetModelInfo(common_pb2.ModelInfoRequest(drafter=name))
         assert (info.vocab_size, info.tokenizer_fingerprint) == (39, fp), name
     assert multi_stack.draft.drafters["tli"].intersection == 1 + len(CHARS) + 2
+    # `auto` reports its fallback's measured cost per token: the prior the orchestrator's
+    # policy starts it from (without one it assumed a default that kept it from drafting)
+    auto, tli = (stub.GetModelInfo(common_pb2.ModelInfoRequest(drafter=n)).forward_cost for n in ("auto", "tli"))
+    assert len(tli) == 1 and tli[0].ms > 0
+    assert [(p.tokens, p.ms) for p in auto] == [(p.tokens, p.ms) for p in tli]
 
 
 def test_unknown_drafter_is_invalid_argument(multi_stack: Stack) -> None:
