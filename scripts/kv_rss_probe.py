@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specdec.memory import heap_info, rss_bytes  # noqa: E402
+from specdec.memory import heap_info, release_free_memory, rss_bytes  # noqa: E402
 from specdec.sampling import SamplingConfig  # noqa: E402
 from target_service.calls import PrefillCall, VerifyCall  # noqa: E402
 from target_service.engine import PrefillOutcome, TargetEngine, VerifyOutcome  # noqa: E402
@@ -88,6 +88,8 @@ def main() -> int:
                "counted_kv_mib": eng.kv.used_bytes / 2**20, "prefix_entries": eng.prefix.num_entries if eng.prefix else 0,
                "trims": eng.trim.trims, "trim_s": round(eng.trim.seconds, 3),
                **{k: v / 2**20 for k, v in heap_info().items()}}
+        release_free_memory()  # what the heap still holds once every free page is handed back
+        row["rss_after_trim_mib"] = rss_bytes() / 2**20
         rows.append(row)
         print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     if a.json:

@@ -3,9 +3,12 @@ freed heap memory back to the system. Plain Python and ctypes; everything
 degrades to a no-op (or None) where glibc is not the allocator.
 
 Why a service needs this (issue 26's chat soak, scripts/kv_rss_probe.py):
-a KV cache grows by ``torch.cat`` every step, so the process frees a
-tensor and allocates a slightly larger one, per layer, per session, and a
-batched forward pads each layer's rows into one batch. Those tensors
+transformers' KV cache grows by ``torch.cat`` every step, so the process
+frees a tensor and allocates a slightly larger one, per layer, per session
+(the target now appends in place instead: target_service/kv_adapter.py
+GrowingLayer), a batched forward pads each layer's rows into one batch,
+and prefix-cache entries and sessions come and go with whole copies of
+their KV. Those tensors
 (0.1–30 MB) sit below glibc's *dynamic* mmap threshold once one of that
 size was freed (the threshold rises to the largest freed mmapped chunk, up
 to 32 MiB), so they come from the heap, which keeps what is freed (a hole
@@ -15,7 +18,11 @@ high-water mark of those copies and the heap's holes, not the KV that is
 live. :func:`release_free_memory` (``malloc_trim(0)``) returns every free
 page of every arena, holes included (glibc >= 2.8); it costs a pass over
 the free lists and the kernel's unmapping of those pages (about 0.1 s for
-1 GiB free on a busy 2-core machine), hence :class:`TrimPacer`.
+1 GiB free on a busy 2-core machine), hence :class:`TrimPacer`. Between
+two trims the heap still grows with what was freed;
+:func:`set_mmap_threshold` keeps large blocks out of the heap altogether
+(each freed block's pages go back at once), which is what the services
+do by default.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ import os
 import threading
 import time
 
-__all__ = ["heap_info", "release_free_memory", "rss_bytes", "TrimPacer"]
+__all__ = ["heap_info", "release_free_memory", "rss_bytes", "set_mmap_threshold", "TrimPacer"]
+
+_M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 
 
 def rss_bytes(pid: int | str = "self") -> int:
@@ -79,6 +88,21 @@ def release_free_memory() -> bool:
     if _LIBC is None:
         return False
     return bool(_LIBC.malloc_trim(ctypes.c_size_t(0)))
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """Fixes glibc's mmap threshold at ``nbytes`` (``mallopt(M_MMAP_THRESHOLD)``):
+    every allocation of at least that size gets pages of its own, which go
+    back to the system when it is freed, and the threshold no longer rises
+    to the largest chunk freed. For a service whose large tensors (KV
+    buffers, a forward's activations and logits) come and go with its
+    sessions, RSS then follows what is live instead of the heap's
+    high-water mark between trims (issue 26's soak). The price is a page
+    fault per 4 KiB the first time such a block is touched. ``nbytes`` <= 0
+    leaves glibc's dynamic threshold; False without glibc or when refused."""
+    if nbytes <= 0 or _LIBC is None or not hasattr(_LIBC, "mallopt"):
+        return False
+    return bool(_LIBC.mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(int(nbytes))))
 
 
 class TrimPacer:

@@ -77,6 +77,10 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "") -> FlagSet:
     f.add("memory-trim-interval", dest="target_memory_trim", type=float, default=1.0,
           help="target: between batches, at most every this many seconds, free heap memory goes back to the "
                "system (malloc_trim; without it RSS follows the peak of the KV copies, not the KV held); < 0 = never")
+    f.add("memory-mmap-threshold", dest="target_mmap_threshold", type=int, default=256 << 10,
+          help="target: allocations of at least this many bytes get pages of their own, returned to the system "
+               "when freed (mallopt M_MMAP_THRESHOLD), so RSS follows the KV and activations that are live; "
+               "0 = glibc's dynamic threshold")
     f.add("max-span", dest="target_max_span", type=int, default=32, help="target: longest drafted span a Verify accepts")
     p.set_defaults(target_flags=f)  # the parsed args carry the flag set, to name flags in errors
     return f
@@ -89,7 +93,8 @@ _FIELD_DESTS = {"max_sessions": "target_max_sessions", "session_ttl_s": "target_
                 "max_batch_kv_tokens": "target_kv_budget", "batch_window_ms": "batch_window_ms",
                 "regroup_ms": "batch_regroup_ms", "kv_budget_tokens": "target_kv_budget",
                 "kv_budget_bytes": "target_kv_budget_bytes", "prefill_chunk_tokens": "target_prefill_chunk",
-                "prefix_cache_entries": "target_prefix_entries", "prefill_share": "target_prefill_share"}
+                "prefix_cache_entries": "target_prefix_entries", "prefill_share": "target_prefill_share",
+                "memory_mmap_threshold_bytes": "target_mmap_threshold"}
 
 
 def config_from_args(a: argparse.Namespace, port: int) -> TargetServiceConfig:
@@ -107,7 +112,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> TargetServiceConfig:
         max_batch_tokens=a.max_batch_tokens, max_queue=a.max_queue,
         max_sessions=a.target_max_sessions, session_ttl_s=a.target_session_ttl,
         kv_protect_active_s=a.target_kv_protect, max_span=a.target_max_span,
-        memory_trim_interval_s=a.target_memory_trim,
+        memory_trim_interval_s=a.target_memory_trim, memory_mmap_threshold_bytes=a.target_mmap_threshold,
     )
     try:
         cfg.validate()

@@ -11,12 +11,14 @@ Where entries come from (docs/architecture.md, "The KV manager"):
 - a released session: its prompt and the tokens it generated, as cached
   (the next turn of a chat starts with exactly those tokens).
 
-An entry holds the session's per-layer key and value tensors *by
-reference*: nothing is copied. A session's cache never writes into its
-tensors in place (transformers' DynamicLayer appends with ``torch.cat``, a
-new tensor, and rolls back with a slice), so a session that goes on
-generating after its prompt was stored, or a new session started from an
-entry, never changes the entry.
+An entry holds per-layer key and value tensors that no session writes
+into. A session's layers append in place, into buffers of their own with
+room to grow (kv_adapter.GrowingLayer), so what a session hands to an
+entry is a compact copy (kv_adapter.owned, session_prefix.store); a new
+session started from an entry holds views of it until its first append,
+which moves them into a buffer of its own. A session that goes on
+generating after its prompt was stored, or one started from an entry,
+therefore never changes the entry.
 
 Matching is by the longest common prefix over the entries (a new prompt
 may diverge from a stored chat anywhere: after the system prompt, or after

@@ -17,6 +17,7 @@ from specdec.errors import InvalidArgument, Unavailable
 from specdec.grammar import GrammarSpec, GrammarState, LazyGrammarCompiler
 from specdec.grpc_util import ServerHandle, WorkTiming, abort_with, drain, start_server, translate_errors
 from specdec.logging_util import log
+from specdec.memory import set_mmap_threshold
 from specdec.metrics import BatchMetrics, KVMetrics, ModelServiceMetrics, export_calibration, serve_metrics
 from specdec.sampling import MAX_TOP_LOGPROBS, SamplingConfig, SparseQ, TokenLogprob
 from specdec.session_ids import check_session_id
@@ -372,6 +373,7 @@ def load_engine(config: TargetServiceConfig) -> tuple[TargetEngine, str, Calibra
     gguf_path = resolved.gguf_path or (Path(config.gguf) if config.gguf else None)
     device = pick_device(config.device)
     set_threads(device, config.threads)
+    set_mmap_threshold(config.memory_mmap_threshold_bytes)  # before the model's tensors are allocated
     calibration, model = calibrate(
         resolved.hf_dir, config.dtype, config.backend, device, cache_dir / "calibration", resolved.name,
         measure=config.calibrate, budget_s=config.calibration_budget_s, gguf_path=gguf_path,

@@ -50,7 +50,7 @@ def test_drop_last_removes_that_many_tokens_from_the_end(model: Any) -> None:
     transformers reads a positive crop as a length before 5.18 and refuses it
     since)."""
     cache, ref = kv.new_cache(model.config), kv.new_cache(model.config)
-    forward(model, cache, PROMPT + [20, 21, 22])
+    forward(model, cache, PROMPT + [15, 16, 17])
     forward(model, ref, PROMPT)
     before = kv.layer_kv(cache, 1)[0].clone()
     kv.drop_last(cache, 0)
@@ -96,3 +96,65 @@ def test_only_plain_full_attention_layers_are_batchable(model: Any) -> None:
     sliding = Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=4,
                           layer_types=["sliding_attention", "full_attention"])
     assert not kv.batchable(kv.new_cache(sliding))
+
+
+def _plain_cache(config: Any) -> Any:
+    """transformers' own cache, whose layers concatenate on every update: the reference."""
+    return kv.DynamicCache(config=config)
+
+
+def test_appends_write_in_place_and_give_the_concatenating_caches_logits(model: Any) -> None:
+    """A session's layers append into their own buffer: one allocation for
+    the prompt and its headroom, then no other while the appends fit. The
+    logits equal transformers' concatenating cache exactly, before and after
+    a rollback whose rejected tokens the next append overwrites."""
+    grow, ref = kv.new_cache(model.config), _plain_cache(model.config)
+    assert all(isinstance(layer, kv.GrowingLayer) for layer in grow.layers)
+    assert not any(isinstance(layer, kv.GrowingLayer) for layer in ref.layers)
+    assert torch.equal(forward(model, grow, PROMPT), forward(model, ref, PROMPT))
+    base = kv.layer_kv(grow, 0)[0].data_ptr()
+    buffers = {base}
+    for step in range(6):
+        assert torch.equal(forward(model, grow, [1 + (7 * step) % 20]), forward(model, ref, [1 + (7 * step) % 20]))
+        buffers.add(kv.layer_kv(grow, 0)[0].data_ptr())
+    assert buffers == {base}  # 14 tokens of a 72-token buffer: every append in place
+    forward(model, grow, [6, 8, 10])  # a verify's drafted tokens, then two rejected
+    forward(model, ref, [6, 8, 10])
+    kv.drop_last(grow, 2)
+    kv.drop_last(ref, 2)
+    assert kv.layer_kv(grow, 0)[0].data_ptr() == base
+    assert torch.equal(forward(model, grow, [12, 14]), forward(model, ref, [12, 14]))
+    assert kv.length(grow) == kv.length(ref) == len(PROMPT) + 6 + 1 + 2
+
+
+def test_a_layer_that_outgrows_its_buffer_moves_once_and_keeps_its_tokens(model: Any) -> None:
+    grow, ref = kv.new_cache(model.config), _plain_cache(model.config)
+    forward(model, grow, PROMPT)
+    forward(model, ref, PROMPT)
+    first = kv.layer_kv(grow, 1)[0].data_ptr()
+    room = len(PROMPT) + kv.headroom(len(PROMPT))  # the buffer's tokens; the layer never fills it
+    long = [1 + (3 * i) % 20 for i in range(room - len(PROMPT))]
+    assert torch.equal(forward(model, grow, long), forward(model, ref, long))
+    moved = kv.layer_kv(grow, 1)[0]
+    assert moved.data_ptr() != first
+    assert moved.untyped_storage().nbytes() == (room + kv.headroom(room)) * moved[0, :, :1].numel() * moved.element_size()
+    assert torch.equal(kv.layer_kv(grow, 1)[0], kv.layer_kv(ref, 1)[0])
+
+
+def test_keys_set_from_outside_are_never_written_into(model: Any) -> None:
+    """A prefix-cache hit hands a session views of an entry's tensors; the
+    session's next append must move them into a buffer of its own, or it
+    would overwrite the entry (and every other session sharing it)."""
+    src = kv.new_cache(model.config)
+    forward(model, src, PROMPT + [15, 16, 17])
+    entry = [tuple(kv.owned(t) for t in kv.layer_kv(src, li)) for li in range(kv.num_layers(src))]
+    # owned() copies a growing layer's tensors (they never fill their buffer): an entry shares nothing with src
+    assert entry[0][0].untyped_storage().data_ptr() != kv.layer_kv(src, 0)[0].untyped_storage().data_ptr()
+    saved = [(k.clone(), v.clone()) for k, v in entry]
+    hit = kv.new_cache(model.config)
+    for li, (k, v) in enumerate(entry):
+        kv.set_layer_kv(hit, li, k[:, :, : len(PROMPT)], v[:, :, : len(PROMPT)])  # a hit on the prompt alone
+    ref = _plain_cache(model.config)
+    forward(model, ref, PROMPT)
+    assert torch.equal(forward(model, hit, [18, 19]), forward(model, ref, [18, 19]))
+    assert all(torch.equal(k, sk) and torch.equal(v, sv) for (k, v), (sk, sv) in zip(entry, saved))

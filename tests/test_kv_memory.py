@@ -23,7 +23,7 @@ import random
 import pytest
 import torch
 
-from specdec.memory import TrimPacer, heap_info, release_free_memory, rss_bytes
+from specdec.memory import TrimPacer, heap_info, release_free_memory, rss_bytes, set_mmap_threshold
 from specdec.sampling import SamplingConfig
 from target_service import kv_adapter as kv
 from target_service import runner
@@ -74,15 +74,16 @@ def _sessions(engine: TargetEngine, n: int, length: int) -> list:  # type: ignor
 def test_a_batched_forward_holds_one_layers_padded_copy_not_every_layers(deep) -> None:  # type: ignore[no-untyped-def]
     engine = TargetEngine(deep, dtype="float32", prefix_cache=False)
     sessions = _sessions(engine, 8, 400)
+    bpt = engine.kv.bytes_per_token
     live = sum(kv.storage_bytes(kv.cache_tensors(s.cache)) for s in sessions)
-    assert live == sum(s.cache_len for s in sessions) * engine.kv.bytes_per_token
+    assert live == sum(s.cache_len + kv.headroom(s.cache_len) for s in sessions) * bpt  # each layer's buffer
     rows = [runner.BatchRow(s.cache, [5], 1, s.cache_len) for s in sessions]
     logits, peak = _peak_during(engine.model, lambda: runner.forward_batch(engine.model, engine.device, engine._cache_kwarg, rows))
     assert len(logits) == 8
-    # each session's cache now holds past + 1 in a tensor of its own, nothing of the batch
+    # each session's cache now holds past + 1, written into its own buffer's headroom: nothing of the batch
     for s in sessions:
         assert kv.length(s.cache) == s.cache_len + 1
-        assert kv.storage_bytes(kv.cache_tensors(s.cache)) == (s.cache_len + 1) * engine.kv.bytes_per_token
+        assert kv.storage_bytes(kv.cache_tensors(s.cache)) == (s.cache_len + kv.headroom(s.cache_len)) * bpt
     # the padded copy of one layer (1/8 of the KV) plus its rows' new tensors, at most
     assert peak < 0.4 * live, (peak, live)
 
@@ -169,6 +170,9 @@ def test_prefix_entries_hold_exactly_the_storage_the_kv_manager_counts(tiny_mode
 
 @glibc
 def test_malloc_trim_gives_freed_heap_back_and_the_pacer_limits_it() -> None:
+    # a target server started in this process earlier fixes the mmap threshold at 256 KiB (its default), and
+    # then no 1 MiB block comes from the heap: 32 MiB (glibc's largest) puts them back there
+    set_mmap_threshold(32 << 20)
     big = torch.ones(1 << 21)  # an 8 MiB chunk mapped and unmapped: glibc's mmap threshold rises past 1 MiB
     del big
     release_free_memory()
@@ -184,3 +188,55 @@ def test_malloc_trim_gives_freed_heap_back_and_the_pacer_limits_it() -> None:
     assert pacer.maybe_trim() is False and pacer.trims == 1  # paced
     assert TrimPacer(min_interval_s=-1).maybe_trim() is False  # off
     assert sum(int(t[0]) for t in keep) == 100
+
+
+_HOLES = """
+import sys, torch
+from specdec.memory import rss_bytes, set_mmap_threshold
+if sys.argv[1] == "fixed":
+    assert set_mmap_threshold(256 << 10)
+big = torch.ones(1 << 21)  # an 8 MiB block freed: glibc's dynamic threshold rises past 1 MiB
+del big
+keep, drop = [], []
+for i in range(200):  # 1 MiB tensors, every other one freed
+    (keep if i % 2 else drop).append(torch.ones(1 << 18))
+before = rss_bytes()
+del drop
+print((before - rss_bytes()) >> 20)
+"""
+
+
+@glibc
+@pytest.mark.parametrize("threshold", ["fixed", "dynamic"])
+def test_a_fixed_mmap_threshold_returns_freed_blocks_at_once(threshold: str) -> None:
+    """With the services' default (``--memory-mmap-threshold``, 256 KiB),
+    freeing a large tensor gives its pages back at once, without a trim, so
+    RSS between two trims follows what is live. The control, glibc's
+    dynamic threshold, keeps the freed blocks as holes in its heap. Each
+    case runs in a process of its own (the setting is process-wide)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parent.parent)
+    out = subprocess.run([sys.executable, "-c", _HOLES, threshold], capture_output=True, text=True, timeout=120,
+                         cwd=repo, env={"PYTHONPATH": repo, "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    freed_mib = int(out.stdout.split()[-1])
+    if threshold == "fixed":
+        assert freed_mib >= 90, freed_mib  # the 100 MiB freed
+    else:
+        assert freed_mib < 20, freed_mib
+
+
+def test_the_mmap_threshold_flag_is_checked_before_start() -> None:
+    from specdec_app.cli import build_parser
+    from target_service.cli import config_from_args
+
+    def config(*flags: str):  # type: ignore[no-untyped-def]
+        return config_from_args(build_parser().parse_args(["serve", "target", *flags]), 0)
+
+    assert config().memory_mmap_threshold_bytes == 256 << 10
+    assert config("--memory-mmap-threshold", "0").memory_mmap_threshold_bytes == 0
+    with pytest.raises(SystemExit, match="specdec: .*--memory-mmap-threshold must be in"):
+        config("--memory-mmap-threshold", str(64 << 20))
