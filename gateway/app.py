@@ -43,6 +43,15 @@ from specdec.v1 import orchestrator_pb2_grpc
 
 access_logger = logging.getLogger("specdec.gateway.access")
 T = TypeVar("T")
+_DONE = b"data: [DONE]\n\n"
+
+
+def _sse(obj: Any) -> bytes:
+    """One SSE ``data:`` event, already encoded: sse-starlette sends bytes as
+    they are (a dict event would be rebuilt as a ``ServerSentEvent`` and split
+    on newlines per chunk). ``json.dumps`` escapes newlines and non-ASCII, so
+    these are the bytes sse-starlette made from ``{"data": json.dumps(obj)}``."""
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
 class _Gone(Exception):
@@ -94,6 +103,8 @@ class Gateway:
         self.metrics = GatewayMetrics.create()
         self.metrics.active.set_function(lambda: self.active)
         self.token_refusal, self.token_warning = config.plaintext_tokens()
+        self._counted: dict[tuple[str, int], Any] = {}  # (route, status) -> its Counter child
+        self._timed: dict[str, Any] = {}  # route -> its Histogram child
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -173,7 +184,7 @@ class Gateway:
         return task.result()
 
     async def generate(self, request: Request, kind: str) -> Response:
-        rec = _Access(route=request.url.path, started=time.perf_counter())
+        rec = _Access(route=request.scope["path"], started=time.perf_counter())
         call = None
         self.active += 1
         streaming = False
@@ -227,24 +238,24 @@ class Gateway:
         return msgs
 
     async def _events(self, call: Any, fmt: Formatter, first: pb.GenerateResponse | None,
-                      rec: _Access) -> AsyncIterator[dict[str, str]]:
+                      rec: _Access) -> AsyncIterator[bytes]:
         """The SSE events of a streamed response (the generator is cancelled
         when the client disconnects: the Generate call is cancelled with it)."""
         try:
             for chunk in fmt.first():
-                yield {"data": json.dumps(chunk)}
+                yield _sse(chunk)
             msg = first
             while msg is not None:
                 rec.tokens += len(msg.token_ids)
                 for chunk in fmt.chunk(msg):
-                    yield {"data": json.dumps(chunk)}
+                    yield _sse(chunk)
                 msg = await self._read(call)
-            yield {"data": "[DONE]"}
+            yield _DONE
         except grpc.RpcError as e:
             err = api_error(e.code(), e.details() or "")
             rec.grpc_code, rec.error = e.code().name, err.message[:200]
-            yield {"data": json.dumps(err.body())}
-            yield {"data": "[DONE]"}
+            yield _sse(err.body())
+            yield _DONE
         except asyncio.CancelledError:
             rec.grpc_code = rec.grpc_code or "CANCELLED"
             raise
@@ -255,8 +266,15 @@ class Gateway:
     def _done(self, rec: _Access) -> None:
         self.active -= 1
         wall = time.perf_counter() - rec.started
-        self.metrics.requests.labels(rec.route, str(rec.status)).inc()
-        self.metrics.latency.labels(rec.route).observe(wall)
+        key = (rec.route, rec.status)
+        if (counted := self._counted.get(key)) is None:  # labels() builds its key each call: once per route/status
+            counted = self._counted[key] = self.metrics.requests.labels(rec.route, str(rec.status))
+        if (timed := self._timed.get(rec.route)) is None:
+            timed = self._timed[rec.route] = self.metrics.latency.labels(rec.route)
+        counted.inc()
+        timed.observe(wall)
+        if not access_logger.isEnabledFor(logging.INFO):
+            return
         fields: dict[str, Any] = {"route": rec.route, "status": rec.status, "duration_ms": round(wall * 1e3, 1),
                                   "model": rec.model, "stream": rec.stream, "completion_tokens": rec.tokens}
         if rec.user:

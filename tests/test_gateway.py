@@ -252,6 +252,22 @@ def test_status_table() -> None:
                                   "code": "resource_exhausted"}}
 
 
+def test_sse_events_are_the_bytes_sse_starlette_made_from_dict_events() -> None:
+    """The gateway yields its SSE events pre-encoded; they are byte for byte
+    what sse-starlette made from ``{"data": json.dumps(chunk)}`` (newlines,
+    CR, U+2028 and non-ASCII in the text included). Negative control: a JSON
+    encoding that keeps non-ASCII and a raw newline differs."""
+    from sse_starlette.event import ensure_bytes
+
+    from gateway.app import _DONE, _sse
+
+    for obj in ({"choices": [{"text": "a\nb\r\nc\rd \u2028 é ☃"}]}, {"error": {"message": "m", "param": None}}, {}):
+        assert _sse(obj) == ensure_bytes({"data": json.dumps(obj)}, "\n")
+    assert _DONE == ensure_bytes({"data": "[DONE]"}, "\n") == b"data: [DONE]\n\n"
+    raw = {"text": "a\nb é"}
+    assert ensure_bytes({"data": json.dumps(raw, ensure_ascii=False).replace("\\n", "\n")}, "\n") != _sse(raw)
+
+
 def orchestrator_count(stack: Stack, code: str) -> float:
     return stack.orchestrator.servicer.metrics.requests.labels("NONE", code)._value.get()
 
