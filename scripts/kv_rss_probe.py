@@ -9,7 +9,10 @@ session becomes a prefix entry).
 After every turn it prints the process's RSS, the bytes of the KV tensors
 actually referenced (unique storages of the sessions' caches and the prefix
 cache's entries), what the KV manager counts, and glibc's heap figures
-(mallinfo2: bytes in use, free bytes kept in the heap, mmapped bytes).
+(mallinfo2: bytes in use, free bytes kept in the heap, mmapped bytes),
+then trims the heap (malloc_trim) and prints the RSS left after it
+(``rss_after_trim_mib``: what RSS minus KV is once the heap's free pages are
+gone; this per-turn trim also shapes the next turn's untrimmed figure).
 
     PYTHONPATH=. .venv/bin/python scripts/kv_rss_probe.py --turns 8 --user-turn-tokens 150 --reply-tokens 8
     ... --memory-trim-interval -1   # without malloc_trim: the heap keeps what was freed

@@ -53,11 +53,11 @@ class GrowingLayer(DynamicLayer):
     It writes in place only into a buffer it allocated, and only at
     positions at or past its own length: a rollback (``crop``) keeps a view
     of the same buffer, so the next append overwrites the rejected tokens.
-    Its tensors never fill their buffer (an append that would regrows), so
-    :func:`owned` always copies them. Keys set from outside (:func:`set_layer_kv`: a prefix-cache hit) are
+    Keys set from outside (:func:`set_layer_kv`: a prefix-cache hit) are
     never written into: the next append moves them into a buffer of its
-    own. Tensors handed out of a session (:func:`owned`) are copies, so no
-    one else holds a view of a buffer that can still be written."""
+    own. Its tensors never fill their buffer (an append that would regrows),
+    so :func:`owned` always copies them: no one else holds a view of a
+    buffer that can still be written."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -69,8 +69,6 @@ class GrowingLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
         self.append(key_states, value_states)
         return self.keys, self.values
 
@@ -282,10 +280,6 @@ class RowsLayer(DynamicLayer):
         if not self.advanced:
             return
         for cache, past, _ in self.rows:
-            layer = cache.layers[self.li]
-            if past == 0:
-                layer.reset()
-                continue
             k, v = layer_kv(cache, self.li)
             set_layer_kv(cache, self.li, k[:, :, :past], v[:, :, :past])
         self.advanced = False
