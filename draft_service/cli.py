@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from draft_service.config import DrafterSpec, DraftServiceConfig
+from specdec.memory import DEFAULT_MMAP_THRESHOLD
 from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET
-from specdec.service_cli import FlagSet, cli_error, serve_command, server_tls
+from specdec.service_cli import FlagSet, cli_error, serve_command, server_tls, validated
 
 SERVICE = "draft"
 
@@ -68,6 +69,11 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "", *, spin_defau
     f.add("prefix-cache", dest="draft_prefix_cache", action=argparse.BooleanOptionalAction, default=True,
           help="draft: start new sessions from the KV of released ones sharing a prefix (chat turns, "
                "system prompts)")
+    f.add("memory-mmap-threshold", dest="draft_mmap_threshold", type=int, default=DEFAULT_MMAP_THRESHOLD,
+          help="draft: allocations of at least this many bytes get pages of their own, returned to the system "
+               "when freed (mallopt M_MMAP_THRESHOLD): KV capacity not yet written is never resident; "
+               "0 = glibc's dynamic threshold")
+    p.set_defaults(draft_flags=f)  # the parsed args carry the flag set, to name flags in errors
     return f
 
 
@@ -109,16 +115,22 @@ def config_from_args(a: argparse.Namespace, port: int) -> DraftServiceConfig:
         default = model_name if a.default_drafter == MODEL_DRAFTER and model_name in hosted else a.default_drafter
     else:
         default = model_name if model_name in hosted else hosted[0]
-    return DraftServiceConfig(
+    return validated(DraftServiceConfig(
         host=a.host, port=port, drafters=specs, default_drafter=default,
-        target_tokenizer=a.target_tokenizer or DEFAULT_TARGET,
+        target_tokenizer=getattr(a, "target_tokenizer", None) or DEFAULT_TARGET,  # `specdec up` wires it itself
         intra_op_threads=a.draft_threads, execution=a.draft_execution, cache_dir=a.cache_dir,
         allow_spinning=a.draft_spin == "on", metrics_port=a.metrics_port, metrics_host=a.metrics_host,
         health_port=a.health_port, tls=server_tls(a), max_queue=a.max_queue,
         kv_budget_tokens=a.draft_kv_budget, kv_budget_bytes=a.draft_kv_budget_bytes,
         kv_protect_active_s=a.draft_kv_protect, prefix_cache=a.draft_prefix_cache, max_cache_tokens=a.draft_max_cache,
-        prefill_chunk_tokens=a.draft_prefill_chunk,
-    )
+        prefill_chunk_tokens=a.draft_prefill_chunk, memory_mmap_threshold_bytes=a.draft_mmap_threshold,
+    ), a, _FIELD_DESTS, "draft_flags")
+
+
+# config fields named in validation errors → the dest of the flag that sets them
+_FIELD_DESTS = {"kv_budget_tokens": "draft_kv_budget", "kv_budget_bytes": "draft_kv_budget_bytes",
+                "kv_protect_active_s": "draft_kv_protect", "prefill_chunk_tokens": "draft_prefill_chunk",
+                "memory_mmap_threshold_bytes": "draft_mmap_threshold", "default_drafter": "default_drafter"}
 
 
 def add_serve_arguments(g: argparse._ActionsContainer) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec.grpc_util import DEFAULT_MAX_MESSAGE_BYTES
+from specdec.memory import DEFAULT_MMAP_THRESHOLD, check_mmap_threshold
 from specdec.tls import TlsServerConfig
 
 
@@ -65,6 +66,10 @@ class DraftServiceConfig:
     prefix_cache: bool = True  # released sessions' KV is reused by new sessions sharing a prefix
     prefix_cache_entries: int = 64  # stored prefixes at most (they also count in the KV budget)
     max_queue: int = 256  # pending model jobs before RESOURCE_EXHAUSTED
+    # glibc's mmap threshold (specdec/memory.py): the KV buffers (grown by doubling) and
+    # logits get pages of their own, untouched capacity is never resident, and a freed
+    # buffer leaves RSS at once; 0 = glibc's dynamic threshold
+    memory_mmap_threshold_bytes: int = DEFAULT_MMAP_THRESHOLD
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     warmup: bool = True
     metrics_port: int = 0  # Prometheus /metrics HTTP port; 0 = off
@@ -110,6 +115,7 @@ class DraftServiceConfig:
             raise ValueError("kv_budget_bytes and kv_protect_active_s must be >= 0, prefix_cache_entries >= 1")
         if self.prefill_chunk_tokens < 0:
             raise ValueError("prefill_chunk_tokens must be >= 0")
+        check_mmap_threshold(self.memory_mmap_threshold_bytes)
         if self.execution not in ("auto", "cpu", "cuda"):
             raise ValueError(f"execution must be auto, cpu or cuda, got {self.execution!r}")
 

@@ -69,6 +69,12 @@ class KVCache:
     # concat mode: past name -> array [1,H,T,D]
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
+    def free(self) -> None:
+        """Drops the buffers (the state then holds nothing, like a fresh CPU
+        state): for a state nobody will run again, so that its memory goes
+        now and not whenever the garbage collector meets a cycle around it."""
+        self.shared, self.arrays, self.length, self.capacity = {}, {}, 0, 0
+
     def crop(self, n: int) -> None:
         """Keeps the first ``n`` positions (0 <= n <= length)."""
         if not 0 <= n <= self.length:
@@ -192,14 +198,13 @@ class OnnxCausalLM:
     # ------------------------------------------------------------------ state
 
     def new_state(self) -> KVCache:
+        """A state with no tokens. On CUDA its buffer is allocated now, at
+        ``max_cache_tokens`` (it never moves); on CPU at its first forward
+        (a session that never drafts holds no KV memory at all)."""
         state = KVCache()
         if self.shared_buffer:
-            cap = (
-                self.max_cache_tokens
-                if self.device == "cuda"
-                else min(_DEFAULT_CPU_CAPACITY, self.max_cache_tokens)
-            )
-            self._alloc_shared(state, cap)
+            if self.device == "cuda":
+                self._alloc_shared(state, self.max_cache_tokens)
         else:
             empty = np.zeros((1, self.num_kv_heads, 0, self.head_size), dtype=self.kv_dtype)
             state.arrays = {past: empty for past, _ in self.kv_pairs}
@@ -270,7 +275,7 @@ class OnnxCausalLM:
             raise ValueError(f"context of {needed} tokens exceeds the cache limit {self.max_cache_tokens}")
         if needed <= state.capacity:
             return
-        cap = state.capacity
+        cap = max(state.capacity, min(_DEFAULT_CPU_CAPACITY, self.max_cache_tokens))
         while cap < needed:
             cap *= 2
         self._alloc_shared(state, min(cap, self.max_cache_tokens))

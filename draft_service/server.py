@@ -29,6 +29,7 @@ from specdec.errors import InvalidArgument, Unavailable
 from specdec.grammar import LazyGrammarCompiler
 from specdec.grpc_util import ModelWorker, ServerHandle, WorkTiming, drain, start_server, translate_errors
 from specdec.logging_util import log
+from specdec.memory import set_mmap_threshold
 from specdec.metrics import ModelServiceMetrics, serve_metrics
 from specdec.sampling import SamplingConfig
 from specdec.session_ids import check_session_id
@@ -447,6 +448,7 @@ async def start(config: DraftServiceConfig) -> DraftServer:
     """Binds the port (health NOT_SERVING), loads/exports and warms every
     drafter off the event loop, then flips health to SERVING."""
     config.validate()
+    set_mmap_threshold(config.memory_mmap_threshold_bytes)  # before the models' buffers are allocated
     worker = ModelWorker("draft-model", max_queue=config.max_queue)
     sessions = SessionStore(
         config.max_sessions, config.session_ttl_s, config.max_span, budget=_budget(config),

@@ -422,22 +422,33 @@ class SessionStore:
         state is nobody's now), if it is worth one and fits the budget
         without evicting any session."""
         session.keep_prefix = False
-        model = session.drafter.kv_model
         ks = session.drafter.kv_state(session.state)
-        if self.prefixes is None or model is None or ks is None or not model.can_clone_prefix:
-            return
+        if ks is not None and not self._store_prefix_locked(session, ks):
+            # nobody runs this state again: its buffers go now, not when the
+            # garbage collector next breaks a reference cycle around the
+            # session (a cancelled stream's frames); measured: without this,
+            # 16 streams a round left ~20 MiB a round behind until gc ran
+            ks.cache.free()
+
+    def _store_prefix_locked(self, session: DraftSession, ks: KVState) -> bool:
+        """Stores ``ks`` as a prefix entry if it is worth one and fits the
+        budget without evicting any session; True when stored."""
+        model = session.drafter.kv_model
+        if self.prefixes is None or model is None or not model.can_clone_prefix:
+            return False
         n = ks.cache.length
         if n < MIN_PREFIX_TOKENS or n != len(ks.tokens):
-            return
+            return False
         bpt = model.kv_bytes_per_token
         entry = PrefixEntry(model, list(ks.tokens), ks.cache, bpt, session.drafter.name, self.budget.cost(n, bpt))
         ks.hooks = None
         if self.prefixes.covered(entry):
-            return
+            return False
         while self._used_locked() + entry.cost > self.budget.limit:
             if self.prefixes.pop_lru() is None:
-                return  # the sessions hold the budget: not stored
+                return False  # the sessions hold the budget: not stored
         self.prefixes.put(entry)
+        return True
 
 
 async def grammar_state(grammars: LazyGrammarCompiler | None, drafter: str, request: Any) -> GrammarState | None:

@@ -25,13 +25,31 @@ status is 1 when one FAILs):
   did not grow (a target session evicted mid-request is rebuilt);
 - ``kv_within_budget``: the KV gauge never passed the budget gauge (not
   measured when the target exports neither);
-- ``rss_growth``: each service's RSS grew < ``--rss-limit`` (5 %) from its
-  warm-up peak (the first ``--warmup-frac`` (20 %) of the run) to its peak after.
+- ``rss_growth``: each service's RSS level grew < ``--rss-limit`` (5 %) from
+  the end of the warm-up to the end of the run: the median of the last
+  ``--level-window-s`` (60 s) of each. The peaks (warm-up, after) are
+  reported beside it: they include transient buffers (a batched verify's
+  logits, a prefill chunk's activations) that come and go with the batch
+  of the moment, so one sample says little about growth.
+
+Warm-up: a long-running server lives with its KV budget full (the prefix
+cache keeps entries until room is needed), so RSS is judged from that state
+on, not while the caches are still filling. The chats run from the start;
+the warm-up ends ``--level-window-s`` after the first sample, at least
+``--warmup-s`` in, where the target's KV gauge holds ``--warmup-kv-fill``
+(95 %) of its budget (so the baseline level is taken with the budget full),
+or at ``--warmup-max-s`` (the report then says the budget was not reached).
+The measured ``--duration-s`` follows. ``--kv-budget-tokens`` (24,576 by
+default, for target and draft; 0 = the services' own 65,536) sets a budget
+this machine fills in a few minutes: at 65,536 tokens the 2-core VM needs
+most of an hour to get there. The JSON also has each service's RssAnon and
+RssFile (Linux), to tell heap growth from file pages (weights) paged in.
 
 Writes chat_soak.json, chat_soak.md and chat_soak.png (RSS and KV usage
 over time) into --out; service output in OUT/logs/up.log; progress on stderr.
 
     .venv/bin/python scripts/chat_soak.py --out bench-out/chat-soak
+    .venv/bin/python scripts/chat_soak.py --out bench-out/chat-soak-fixed --warmup-kv-fill 0 --warmup-s 60
     .venv/bin/python scripts/chat_soak.py --out bench-out/chat-soak-pc --up-args '--target-prefix-cache'
 """
 
@@ -39,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import threading
 import time
@@ -59,25 +78,47 @@ from specdec_app.loadbench import RssSampler, percentile  # noqa: E402
 REBUILDS = "specdec_target_session_rebuilds_total"  # the orchestrator's
 
 
+def mib(nbytes: float | None) -> float | None:
+    return None if nbytes is None else round(nbytes / 2**20, 1)
+
+
+def proc_rss_kinds(pid: int) -> tuple[int | None, int | None]:
+    """(RssAnon, RssFile) of ``pid`` in MiB from /proc (None where unreadable)."""
+    got: dict[str, int] = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, val = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                got[key] = int(val.split()[0]) // 1024
+    except (OSError, ValueError):
+        pass
+    return got.get("RssAnon"), got.get("RssFile")
+
+
 class Soak:
     def __init__(self, a: argparse.Namespace, st: Launched, corpus: Corpus, say: Progress) -> None:
         self.a, self.st, self.corpus, self.say = a, st, corpus, say
         self.results: list[dict[str, Any]] = []
         self.samples: list[dict[str, Any]] = []
         self.lock = threading.Lock()
-        self.stop = threading.Event()
+        self.stop = threading.Event()  # ends the sampling threads
+        self.done = threading.Event()  # ends the chats (after their request in flight)
+        self.warm_end_s: float | None = None
+        self.filled_at: float | None = None
+        self.warm_end_why = ""
+        self.proc_series: dict[str, list[tuple[float, int | None, int | None]]] = {k: [] for k in st.pids}
         self.t0 = time.monotonic()
         self.systems = [corpus.text(a.system_prompt_tokens, 400 + k) for k in range(a.system_prompts)]
 
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    def chat(self, stub: Any, i: int, deadline: float) -> None:
+    def chat(self, stub: Any, i: int) -> None:
         a = self.a
         system = self.systems[i % len(self.systems)]
         conv, turn, variant = 0, 0, 1000 * (i + 1)
         msgs: list[tuple[str, str]] = []
-        while time.monotonic() < deadline:
+        while not self.done.is_set():
             if turn == 0:
                 msgs = [("system", system)]
             variant += 1
@@ -98,12 +139,43 @@ class Soak:
 
     def sampler(self) -> None:
         while not self.stop.is_set():
-            m = self.st.metrics()
-            self.samples.append({"t": round(self.now(), 2), "kv_used_tokens": metric(m, KV_USED),
+            m, d = self.st.metrics(), self.st.metrics("draft")
+            t = round(self.now(), 2)
+            self.samples.append({"t": t, "kv_used_tokens": metric(m, KV_USED),
                                  "kv_budget_tokens": metric(m, KV_BUDGET),
+                                 "kv_used_mb": mib(metric(m, "specdec_target_kv_used_bytes")),
+                                 "draft_kv_used_tokens": metric(d, "specdec_draft_kv_used_tokens"),
+                                 "draft_kv_used_mb": mib(metric(d, "specdec_draft_kv_used_bytes")),
                                  "active_sessions": metric(m, ACTIVE_SESSIONS), "evictions": metric(m, EVICTIONS),
                                  **prefix_counters(m)})
+            for name, pid in self.st.pids.items():
+                anon, file = proc_rss_kinds(pid)
+                self.proc_series[name].append((t, anon, file))
+            self.control(t, self.samples[-1])
             self.stop.wait(self.a.sample_interval_s)
+
+    def control(self, t: float, sample: dict[str, Any]) -> None:
+        """Ends the warm-up (see the module doc), then the run."""
+        a = self.a
+        if self.warm_end_s is None:
+            used, budget = sample["kv_used_tokens"], sample["kv_budget_tokens"]
+            if a.warmup_kv_fill <= 0:
+                why = "fixed --warmup-s" if t >= a.warmup_s else ""
+            else:
+                if (self.filled_at is None and t >= a.warmup_s and used is not None and budget
+                        and used >= a.warmup_kv_fill * budget):
+                    self.filled_at = t  # the baseline window starts with the budget full
+                    self.say(f"KV at {fmt(used)} of {fmt(budget)} tokens at {t:.0f} s")
+                why = (f"KV reached {a.warmup_kv_fill:.0%} of its budget at {self.filled_at:.0f} s, then "
+                       f"{a.level_window_s:.0f} s" if self.filled_at is not None
+                       and t >= self.filled_at + a.level_window_s else "")
+            if not why and t >= a.warmup_max_s:
+                why = f"--warmup-max-s reached with KV at {fmt(used)} of {fmt(budget)} tokens"
+            if why:
+                self.warm_end_s, self.warm_end_why = t, why
+                self.say(f"warm-up over at {t:.0f} s ({why}); {a.duration_s:.0f} s measured from here")
+        elif t >= self.warm_end_s + a.duration_s:
+            self.done.set()
 
     def progress(self) -> None:
         while not self.stop.wait(self.a.progress_every_s):
@@ -125,10 +197,9 @@ class Soak:
         with grpc.insecure_channel(self.st.addresses["orchestrator"]) as ch:
             stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
             self.t0 = time.monotonic()
-            deadline = time.monotonic() + a.duration_s
             with RssSampler(self.st.pids, a.sample_interval_s) as rss:
                 aux = [threading.Thread(target=f, daemon=True) for f in (self.sampler, self.progress)]
-                chats = [threading.Thread(target=self.chat, args=(stub, i, deadline), daemon=True)
+                chats = [threading.Thread(target=self.chat, args=(stub, i), daemon=True)
                          for i in range(a.chats)]
                 for th in aux + chats:
                     th.start()
@@ -140,21 +211,34 @@ class Soak:
                     th.join(10)
         rebuilds_after = metric(self.st.metrics("orchestrator"), REBUILDS)
         return {"load_seconds": round(load_s, 1), "rss_series": rss.series,
+                "warmup_end_s": self.warm_end_s, "warmup_end_why": self.warm_end_why,
+                "rss_kinds_series": self.proc_series,
                 "rss_t0_offset_s": round(rss.t0 - self.t0, 3),
                 "orchestrator_rebuilds": None if rebuilds_after is None else rebuilds_after - (rebuilds_before or 0.0),
                 "prefix_cache": prefix_delta(prefix_before, prefix_counters(self.st.metrics()))}
 
 
-def rss_report(series: dict[str, list[tuple[float, float]]], offset: float, warm_s: float,
-               limit: float) -> dict[str, Any]:
+def rss_report(series: dict[str, list[tuple[float, float]]], offset: float, warm_s: float | None,
+               limit: float, kinds: dict[str, list[tuple[float, int | None, int | None]]] | None = None,
+               window_s: float = 60.0) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, pts in sorted(series.items()):
-        warm = [mb for t, mb in pts if t + offset <= warm_s]
-        after = [mb for t, mb in pts if t + offset > warm_s]
+        warm = [(t + offset, mb) for t, mb in pts if warm_s is not None and t + offset <= warm_s]
+        after = [(t + offset, mb) for t, mb in pts if warm_s is not None and t + offset > warm_s]
         if warm and after:
-            base, peak = max(warm), max(after)
-            out[name] = {"samples": len(pts), "warmup_peak_mb": base, "peak_after_mb": peak, "final_mb": pts[-1][1],
-                         "growth": round(peak / base - 1, 4), "pass": peak / base - 1 < limit}
+            base = statistics.median(mb for t, mb in warm if t > warm[-1][0] - window_s)
+            level = statistics.median(mb for t, mb in after if t > after[-1][0] - window_s)
+            peak_w, peak_a = max(mb for _, mb in warm), max(mb for _, mb in after)
+            out[name] = {"samples": len(pts), "warmup_level_mb": base, "final_level_mb": level,
+                         "growth": round(level / base - 1, 4), "pass": level / base - 1 < limit,
+                         "warmup_peak_mb": peak_w, "peak_after_mb": peak_a, "final_mb": pts[-1][1],
+                         "peak_growth": round(peak_a / peak_w - 1, 4)}
+            for i, kind in ((1, "anon"), (2, "file")):  # the same window split, by page kind
+                ks = [(p[0], p[i]) for p in (kinds or {}).get(name, []) if p[i] is not None]
+                w = [v for t, v in ks if t <= warm_s]
+                f = [v for t, v in ks if t > warm_s]
+                if w and f:
+                    out[name][f"{kind}_warmup_peak_mb"], out[name][f"{kind}_peak_after_mb"] = max(w), max(f)
         else:
             out[name] = {"samples": len(pts), "pass": None, "why": "no samples in the warm-up window or after it"}
     return out
@@ -170,7 +254,8 @@ def report(a: argparse.Namespace, soak: Soak, end: dict[str, Any]) -> dict[str, 
     rebuilt = [r for r in rs if r.get("target_rebuilds", 0) > 0]
     kv = [(s["kv_used_tokens"], s["kv_budget_tokens"]) for s in soak.samples
           if s["kv_used_tokens"] is not None and s["kv_budget_tokens"] is not None]
-    rss = rss_report(end["rss_series"], end["rss_t0_offset_s"], a.warmup_frac * end["load_seconds"], a.rss_limit)
+    rss = rss_report(end["rss_series"], end["rss_t0_offset_s"], end["warmup_end_s"], a.rss_limit,
+                     end["rss_kinds_series"], a.level_window_s)
     orch_rb = end["orchestrator_rebuilds"]
     judged = [v["pass"] for v in rss.values() if v["pass"] is not None]
     verdicts = {
@@ -188,7 +273,9 @@ def report(a: argparse.Namespace, soak: Soak, end: dict[str, Any]) -> dict[str, 
                        if kv else f"the target exports no {KV_USED} / {KV_BUDGET}")},
         "rss_growth": {"pass": all(judged) if judged else None,
                        "detail": ", ".join(f"{k} {v['growth'] * 100:+.1f}%" for k, v in rss.items() if v["pass"] is not None)
-                                 + f" (limit {a.rss_limit * 100:.0f}%, warm-up {a.warmup_frac:.0%} of the run)"},
+                                 + f" (median of the last {a.level_window_s:.0f} s of warm-up and of the run; "
+                                   f"limit {a.rss_limit * 100:.0f}%; warm-up {fmt(end['warmup_end_s'])} s: "
+                                   f"{end['warmup_end_why']})"},
     }
     ttft = [r["ttft_ms"] for r in rs if r["ttft_ms"] is not None]
     prompt = sum(int(r.get("prompt_tokens", 0)) for r in rs)
@@ -197,7 +284,8 @@ def report(a: argparse.Namespace, soak: Soak, end: dict[str, Any]) -> dict[str, 
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
         "meta": {"date": time.strftime("%Y-%m-%d %H:%M"), **machine_meta(), "target_model": soak.st.target_model,
                  "pids": soak.st.pids, "command": " ".join(sys.argv)},
-        "load_seconds": end["load_seconds"], "verdicts": verdicts,
+        "load_seconds": end["load_seconds"], "warmup_end_s": end["warmup_end_s"],
+        "warmup_end_why": end["warmup_end_why"], "verdicts": verdicts,
         "requests": {"total": len(rs), "by_code": dict(Counter(code_finish(r) for r in rs)),
                      "max_turn": max((r["turn"] for r in rs), default=0),
                      "conversations": sum(1 + max((r["conversation"] for r in rs if r["chat"] == i), default=0)
@@ -206,7 +294,8 @@ def report(a: argparse.Namespace, soak: Soak, end: dict[str, Any]) -> dict[str, 
                      "prompt_tokens": prompt, "cached_prompt_tokens": cached,
                      "cached_share": cached / prompt if prompt else None},
         "prefix_cache": end["prefix_cache"], "rss": rss, "samples": soak.samples,
-        "rss_series": end["rss_series"], "rss_t0_offset_s": end["rss_t0_offset_s"], "results": rs,
+        "rss_series": end["rss_series"], "rss_t0_offset_s": end["rss_t0_offset_s"],
+        "rss_kinds_series": end["rss_kinds_series"], "results": rs,
     }
 
 
@@ -215,7 +304,9 @@ def markdown(rep: dict[str, Any]) -> str:
     lines = [f"# Chat soak: {a['chats']} chats, {rep['load_seconds']:.0f} s ({rep['meta']['date']})", "",
              f"Target {rep['meta']['target_model']}, mode {a['mode']}, `specdec up` {up_label(a['tiny'], a['up_args'])}; "
              f"{a['system_prompts']} system prompts of {a['system_prompt_tokens']} tokens, user turns of "
-             f"{a['user_turn_tokens']}, replies of {a['reply_tokens']}, history up to {a['max_history_tokens']}.", "",
+             f"{a['user_turn_tokens']}, replies of {a['reply_tokens']}, history up to {a['max_history_tokens']}. "
+             f"Warm-up until {fmt(rep['warmup_end_s'])} s ({rep['warmup_end_why']}), then {a['duration_s']:.0f} s "
+             "measured.", "",
              "| verdict | result | detail |", "|---|---|---|"]
     lines += [f"| {k} | {verdict_cell(v['pass'])} | {v['detail'][:400]} |" for k, v in rep["verdicts"].items()]
     pc = rep["prefix_cache"]
@@ -225,13 +316,18 @@ def markdown(rep: dict[str, Any]) -> str:
               f"cached prompt tokens {q['cached_prompt_tokens']} of {q['prompt_tokens']}"
               f" ({fmt(q['cached_share'] and q['cached_share'] * 100, '.1f')} %); target prefix-cache hit rate "
               f"{'not exported' if pc['hit_rate'] is None else format(pc['hit_rate'], '.1%')}.", "",
-              "## RSS (MiB)", "", "| service | warm-up peak | peak after | final | growth |", "|---|---|---|---|---|"]
+              "## RSS (MiB)", "",
+              "| service | level at warm-up's end | level at the end | growth | peak: warm-up → after | "
+              "RssAnon peak: warm-up → after | RssFile peak: warm-up → after |", "|---|---|---|---|---|---|---|"]
     for k, v in rep["rss"].items():
         if v["pass"] is None:
             lines.append(f"| {k} | – | – | – | not judged ({v['samples']} samples) |")
         else:
-            lines.append(f"| {k} | {v['warmup_peak_mb']} | {v['peak_after_mb']} | {v['final_mb']} | "
-                         f"{v['growth'] * 100:+.1f}% |")
+            lines.append(f"| {k} | {v['warmup_level_mb']} | {v['final_level_mb']} | {v['growth'] * 100:+.1f}% | "
+                         f"{v['warmup_peak_mb']} → {v['peak_after_mb']} ({v['peak_growth'] * 100:+.1f}%) | "
+                         f"{fmt(v.get('anon_warmup_peak_mb'))} → "
+                         f"{fmt(v.get('anon_peak_after_mb'))} | {fmt(v.get('file_warmup_peak_mb'))} → "
+                         f"{fmt(v.get('file_peak_after_mb'))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -243,7 +339,7 @@ def plot(rep: dict[str, Any], out: Path) -> Path | None:
     off = rep["rss_t0_offset_s"]
     for name, pts in sorted(rep["rss_series"].items()):
         ax1.plot([t + off for t, _ in pts], [mb for _, mb in pts], label=name)
-    warm = rep["args"]["warmup_frac"] * rep["load_seconds"]
+    warm = rep["warmup_end_s"] or 0.0
     for ax in (ax1, ax2):
         ax.axvline(warm, color="grey", ls=":", label="end of warm-up")
         ax.set_xlabel("seconds of load")
@@ -254,6 +350,8 @@ def plot(rep: dict[str, Any], out: Path) -> Path | None:
     if any(x["kv_used_tokens"] is not None for x in s):
         ax2.plot(ts, [x["kv_used_tokens"] for x in s], label="KV used (tokens)")
         ax2.plot(ts, [x["kv_budget_tokens"] for x in s], ls="--", label="KV budget (tokens)")
+        if any(x.get("draft_kv_used_tokens") is not None for x in s):
+            ax2.plot(ts, [x.get("draft_kv_used_tokens") for x in s], label="draft KV used (tokens)")
         ax2.set(ylabel="tokens", title="target KV usage")
     else:
         ax2.plot(ts, [x["active_sessions"] for x in s], label="active sessions (no KV gauge exported)")
@@ -276,15 +374,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--system-prompt-tokens", type=int, default=300, help="%(default)s")
     p.add_argument("--user-turn-tokens", type=int, default=48, help="%(default)s")
     p.add_argument("--reply-tokens", type=int, default=48, help="%(default)s")
-    p.add_argument("--max-history-tokens", type=int, default=3000,
-                   help="a chat whose next turn would pass this starts over (%(default)s)")
+    p.add_argument("--max-history-tokens", type=int, default=1200,
+                   help="a chat whose next turn would pass this starts over (%(default)s: 16 chats at the cap "
+                        "hold 19,200 tokens, inside the default --kv-budget-tokens)")
     p.add_argument("--sample-interval-s", type=float, default=1.0, help="RSS and metrics sampling (%(default)s)")
-    p.add_argument("--warmup-frac", type=float, default=0.2, help="the RSS baseline window (%(default)s of the run)")
+    p.add_argument("--warmup-s", type=float, default=60.0, help="shortest warm-up (%(default)s s)")
+    p.add_argument("--warmup-kv-fill", type=float, default=0.95,
+                   help="the warm-up lasts until the target's KV holds this share of its budget (%(default)s; "
+                        "0 = just --warmup-s)")
+    p.add_argument("--warmup-max-s", type=float, default=600.0, help="longest warm-up (%(default)s s)")
+    p.add_argument("--kv-budget-tokens", type=int, default=24_576,
+                   help="KV budget of target and draft, passed to `specdec up` (%(default)s; 0 = theirs)")
     p.add_argument("--rss-limit", type=float, default=0.05, help="largest RSS growth after warm-up (%(default)s)")
+    p.add_argument("--level-window-s", type=float, default=60.0,
+                   help="the RSS level: the median over this many seconds (%(default)s)")
     p.add_argument("--progress-every-s", type=float, default=15.0)
     a = p.parse_args(argv)
     if a.chats < 1 or a.system_prompts < 1 or a.duration_s <= 0:
         p.error("--chats and --system-prompts must be >= 1, --duration-s > 0")
+    if not 0 <= a.warmup_kv_fill <= 1 or a.warmup_s < 0 or a.warmup_max_s < a.warmup_s or a.kv_budget_tokens < 0:
+        p.error("--warmup-kv-fill in [0, 1], 0 <= --warmup-s <= --warmup-max-s, --kv-budget-tokens >= 0")
+    if a.kv_budget_tokens:
+        a.up_args = (f"--target-kv-budget-tokens {a.kv_budget_tokens} --draft-kv-budget-tokens {a.kv_budget_tokens} "
+                     + a.up_args).strip()
     return a
 
 

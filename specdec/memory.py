@@ -90,6 +90,19 @@ def release_free_memory() -> bool:
     return bool(_LIBC.malloc_trim(ctypes.c_size_t(0)))
 
 
+#: glibc's largest M_MMAP_THRESHOLD (HEAP_MAX_SIZE / 2 on 64-bit)
+MAX_MMAP_THRESHOLD = 32 << 20
+#: the services' default: large blocks (KV buffers, logits) get pages of their own
+DEFAULT_MMAP_THRESHOLD = 256 << 10
+
+
+def check_mmap_threshold(nbytes: int, field: str = "memory_mmap_threshold_bytes") -> None:
+    """ValueError unless ``nbytes`` is a threshold :func:`set_mmap_threshold` takes."""
+    if not 0 <= nbytes <= MAX_MMAP_THRESHOLD:
+        raise ValueError(f"{field} must be in [0, 32 MiB] (glibc's limit; 0 = glibc's dynamic threshold), "
+                         f"got {nbytes}")
+
+
 def set_mmap_threshold(nbytes: int) -> bool:
     """Fixes glibc's mmap threshold at ``nbytes`` (``mallopt(M_MMAP_THRESHOLD)``):
     every allocation of at least that size gets pages of its own, which go

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import re
 import signal
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -107,6 +108,22 @@ def server_tls(a: argparse.Namespace) -> Any:
                      getattr(a, "tls_client_allow", None))
     except ValueError as e:
         raise cli_error(str(e)) from None
+
+
+def validated(cfg: Any, a: argparse.Namespace, field_dests: dict[str, str], flags_attr: str) -> Any:
+    """``cfg`` after its ``validate()``; a ValueError becomes a one-line CLI
+    error naming the flags (``a.<flags_attr>``, the service's FlagSet, finds
+    each config field's flag by its ``dest``) instead of the config fields."""
+    try:
+        cfg.validate()
+    except ValueError as e:
+        msg = str(e)
+        flags: FlagSet | None = getattr(a, flags_attr, None)
+        for field_name, dest in field_dests.items():
+            flag = flags.flag_for(dest) if flags is not None else None
+            msg = re.sub(rf"\b{field_name}\b", flag or f"--{dest}", msg)
+        raise cli_error(msg) from None
+    return cfg
 
 
 def client_tls(ca: Any, cert: Any = None, key: Any = None, server_name: str = "") -> Any:

@@ -162,7 +162,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     target_cli.config_from_args(a, a.target_port)
     orchestrator_cli.check_speculation_args(a)
     if not a.no_draft:
-        draft_cli.drafter_names(a)
+        draft_cli.config_from_args(a, a.draft_port)
     cmds, tls = child_commands(a, cache)
     procs: dict[str, subprocess.Popen[bytes]] = {}
 

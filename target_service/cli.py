@@ -11,8 +11,9 @@ import argparse
 import re
 from typing import Any
 
+from specdec.memory import DEFAULT_MMAP_THRESHOLD
 from specdec.models import DEFAULT_TARGET
-from specdec.service_cli import FlagSet, cli_error, serve_command, server_tls
+from specdec.service_cli import FlagSet, cli_error, serve_command, server_tls, validated
 from target_service.config import TargetServiceConfig
 
 SERVICE = "target"
@@ -77,7 +78,7 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "") -> FlagSet:
     f.add("memory-trim-interval", dest="target_memory_trim", type=float, default=1.0,
           help="target: between batches, at most every this many seconds, free heap memory goes back to the "
                "system (malloc_trim; without it RSS follows the peak of the KV copies, not the KV held); < 0 = never")
-    f.add("memory-mmap-threshold", dest="target_mmap_threshold", type=int, default=256 << 10,
+    f.add("memory-mmap-threshold", dest="target_mmap_threshold", type=int, default=DEFAULT_MMAP_THRESHOLD,
           help="target: allocations of at least this many bytes get pages of their own, returned to the system "
                "when freed (mallopt M_MMAP_THRESHOLD), so RSS follows the KV and activations that are live; "
                "0 = glibc's dynamic threshold")
@@ -114,15 +115,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> TargetServiceConfig:
         kv_protect_active_s=a.target_kv_protect, max_span=a.target_max_span,
         memory_trim_interval_s=a.target_memory_trim, memory_mmap_threshold_bytes=a.target_mmap_threshold,
     )
-    try:
-        cfg.validate()
-    except ValueError as e:
-        msg = str(e)
-        flags: FlagSet | None = getattr(a, "target_flags", None)
-        for field_name, dest in _FIELD_DESTS.items():  # name the flags, not the config fields behind them
-            flag = flags.flag_for(dest) if flags is not None else None
-            msg = re.sub(rf"\b{field_name}\b", flag or f"--{dest}", msg)
-        raise cli_error(msg) from None
+    validated(cfg, a, _FIELD_DESTS, "target_flags")
     from target_service.calibration import resolve_pairs
     from target_service.loading import pick_device
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.memory import DEFAULT_MMAP_THRESHOLD, check_mmap_threshold
 from specdec.models import DEFAULT_TARGET
 from specdec.tls import TlsServerConfig
 from target_service.batching import BatchLimits
@@ -53,7 +54,7 @@ class TargetServiceConfig:
     memory_trim_interval_s: float = 1.0
     # allocations of at least this many bytes get pages of their own, returned to the
     # system when freed (mallopt M_MMAP_THRESHOLD; specdec/memory.py); 0 = glibc's dynamic threshold
-    memory_mmap_threshold_bytes: int = 256 << 10
+    memory_mmap_threshold_bytes: int = DEFAULT_MMAP_THRESHOLD
     max_span: int = 32  # longest drafted span accepted by Verify
     max_draft_support: int = 4096  # largest sparse q accepted per position
     session_ttl_s: float = 600.0  # idle sessions are reaped after this
@@ -92,9 +93,7 @@ class TargetServiceConfig:
             raise ValueError(f"prefill_chunk_tokens must be >= 0 (0 = off), got {self.prefill_chunk_tokens}")
         if not 1 <= self.max_span <= 1024:
             raise ValueError(f"max_span must be in [1, 1024], got {self.max_span}")
-        if not 0 <= self.memory_mmap_threshold_bytes <= 32 << 20:
-            raise ValueError(f"memory_mmap_threshold_bytes must be in [0, 32 MiB] (glibc's limit; 0 = glibc's dynamic threshold), "
-                             f"got {self.memory_mmap_threshold_bytes}")
+        check_mmap_threshold(self.memory_mmap_threshold_bytes)
         self.batch_limits()
 
     def batch_limits(self) -> BatchLimits:

@@ -32,8 +32,9 @@ torch's weight-only integer kernels:
   the order of Q6_K's own. Opt-in only; ``--target-dtype auto`` considers it
   only within the fidelity bound (docs/benchmarks.md, "Fidelity").
 
-Everything that is not a linear layer (embeddings, norms, attention, the
-residual stream) computes in float32. Each output row of every kernel above
+The input embedding keeps the file's quantized rows (``QuantEmbedding``),
+dequantized exactly on lookup. Everything else that is not a linear layer
+(norms, attention, the residual stream) computes in float32. Each output row of every kernel above
 is computed the same way whatever the number of rows, so a 1-token step, a
 k-token verify and a batched verify give the same logits for a row
 (tests/test_quant.py).
@@ -285,6 +286,71 @@ def make_linear(backend: str, t: GgufTensor, linear: torch.nn.Linear) -> torch.n
     return Bf16Linear(torch.from_numpy(w), bias, t.kind)
 
 
+class QuantEmbedding(torch.nn.Module):
+    """The input embedding as the file stores it: the quantized rows of
+    ``token_embd.weight`` in anonymous memory, dequantized on lookup by
+    ``gguf.quants.dequantize``, the function the GGUF conversion itself used,
+    so each row is bit for bit the float32 row the checkpoint holds.
+
+    Why not that float32 checkpoint tensor: the 1.5B target's is 151,936 ×
+    1,536 float32 (890 MiB) behind a file mapping, and its pages become
+    resident one token id at a time as requests meet new ids, so RSS creeps
+    up for hours with no leak behind it (docs/benchmarks.md, issue 26). The
+    Q4_K rows are 131 MB, resident from the start. A lookup dequantizes only
+    the rows asked for: 0.17 ms for a step's few tokens, 7 ms for a
+    512-token prefill chunk (Zen 4, one thread)."""
+
+    def __init__(self, t: GgufTensor) -> None:
+        import gguf
+
+        super().__init__()
+        self.qtype = gguf.GGMLQuantizationType[t.kind]
+        self.kind = t.kind
+        self.num_embeddings, self.embedding_dim = t.n, t.k
+        # a private copy: anonymous pages, all resident now, not the file's
+        self.rows = np.ascontiguousarray(np.asarray(t.data).reshape(t.n, -1)).copy()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        import gguf
+
+        ids = input_ids.detach().cpu().numpy().reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        w = gguf.quants.dequantize(self.rows[uniq], self.qtype).reshape(len(uniq), self.embedding_dim)
+        out = torch.from_numpy(np.ascontiguousarray(w[inverse], dtype=np.float32))
+        return out.reshape(*input_ids.shape, self.embedding_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.rows.nbytes)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows={self.kind} ({self.nbytes / 2**20:.0f} MiB)"
+
+
+def quantized_embedding(model: torch.nn.Module, f: "GgufFile") -> str:
+    """Replaces ``model``'s input embedding by :class:`QuantEmbedding` when
+    the file has ``token_embd.weight`` of the embedding's shape in a type
+    ``gguf.quants`` dequantizes; returns what was done, for the log."""
+    import gguf
+
+    emb = model.get_input_embeddings()
+    t = f.tensors.get("token_embd.weight")
+    if not isinstance(emb, torch.nn.Embedding) or t is None:
+        return "kept (no token_embd.weight)" if t is None else "kept (not an nn.Embedding)"
+    if (t.n, t.k) != tuple(emb.weight.shape):
+        return f"kept (token_embd.weight is [{t.n}, {t.k}], the embedding {list(emb.weight.shape)})"
+    if t.kind in ("F32", "F16", "BF16") or t.kind not in gguf.GGMLQuantizationType.__members__:
+        return f"kept ({t.kind})"
+    tied = any(p is emb.weight for p in model.get_output_embeddings().parameters(recurse=False)) \
+        if model.get_output_embeddings() is not None else False
+    if tied:  # the head still reads this weight: keep it
+        return "kept (tied to the LM head)"
+    model.set_input_embeddings(QuantEmbedding(t))
+    return f"{t.kind} rows"
+
+
 def apply_quant(model: torch.nn.Module, backend: str, gguf_path: Path, fuse: bool = True) -> dict[str, int]:
     """Replaces every linear layer of ``model`` (float32, CPU) by its
     ``backend`` module built from ``gguf_path``; returns how many of each
@@ -315,6 +381,8 @@ def apply_quant(model: torch.nn.Module, backend: str, gguf_path: Path, fuse: boo
             return gguf_blocks.decode(t.data, t.kind, t.n, t.k)
 
         counts["fused_calls"] = fuse_projections(model, decode)
-    log(logger, logging.INFO, "linear layers from GGUF blocks", backend=backend, file=f.path.name, **counts)
+    embedding = quantized_embedding(model, f)
+    log(logger, logging.INFO, "linear layers from GGUF blocks", backend=backend, file=f.path.name,
+        embedding=embedding, **counts)
     return counts
 

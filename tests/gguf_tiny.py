@@ -70,11 +70,13 @@ _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn
 
 
 def quantize_tiny_model(hf_dir: Path | str, gguf_path: Path | str, q6_layers: tuple[str, ...] = ("mlp.down_proj",
-                        "self_attn.v_proj", "lm_head")) -> Path:
+                        "self_attn.v_proj", "lm_head"), embedding: str | None = "Q4_K") -> Path:
     """Quantizes every linear layer of the HF model at ``hf_dir`` (dims
     multiples of 256) into ``gguf_path`` (Q6_K for names ending in one of
-    ``q6_layers``, Q4_K otherwise) and overwrites the HF weights with the
-    exact float32 dequantization of those blocks. Returns ``gguf_path``."""
+    ``q6_layers``, Q4_K otherwise), and the input embedding as
+    ``token_embd.weight`` in ``embedding`` (None: not written, as in a file
+    that lacks it), and overwrites the HF weights with the exact float32
+    dequantization of those blocks. Returns ``gguf_path``."""
     import gguf
     import torch
     from transformers import Qwen2ForCausalLM
@@ -98,6 +100,12 @@ def quantize_tiny_model(hf_dir: Path | str, gguf_path: Path | str, q6_layers: tu
                 gname = f"blk.{layer}.{_NAMES[suffix]}.weight"
             writer.add_tensor(gname, blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
             mod.weight.copy_(torch.from_numpy(decode(blocks, kind, *w.shape).dequantize()))
+        if embedding is not None:
+            emb = model.get_input_embeddings().weight
+            w = emb.detach().numpy()
+            blocks = (quantize_q6_k if embedding == "Q6_K" else quantize_q4_k)(w)
+            writer.add_tensor("token_embd.weight", blocks, raw_dtype=gguf.GGMLQuantizationType[embedding])
+            emb.copy_(torch.from_numpy(decode(blocks, embedding, *w.shape).dequantize()))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -146,6 +146,43 @@ def test_sampled_drafts_are_the_same_with_a_hit(drafter: OnnxDrafter) -> None:
 
 
 # ------------------------------------------------------------------ server
+def _buffers(sess: Any) -> list[Any]:
+    return [arr for _, arr in sess.state.cache.shared.values()] + list(sess.state.cache.arrays.values())
+
+
+def test_a_fresh_session_holds_no_kv_memory_and_a_released_one_frees_what_it_does_not_store(
+        drafter: OnnxDrafter) -> None:
+    """A CPU session allocates its KV at its first forward, so a session that
+    never drafts (AUTO at gamma 0 opens one per request) costs nothing. A
+    released session whose KV does not become a prefix entry drops its
+    buffers at once, whatever still refers to the session object (a
+    cancelled stream's frames keep it until the garbage collector runs: the
+    draft's RSS grew ~50 MiB a minute in the 16-chat soak before this). A
+    stored one keeps them: the entry is that KV."""
+    import gc
+    import weakref
+
+    s = store(10_000, Clock())
+    idle = s.create(drafter, GREEDY)
+    assert idle.state.cache.capacity == 0 and _buffers(idle) == []
+    short, kept = s.create(drafter, GREEDY), s.create(drafter, GREEDY)
+    s.propose(short.id, 0, [3, 4], 1)  # 2 + 1 tokens: too short for an entry
+    s.propose(kept.id, 0, prompt(20, 3), 4)
+    refs = {name: [weakref.ref(b) for b in _buffers(x)] for name, x in (("short", short), ("kept", kept))}
+    assert all(refs.values())
+    gc.disable()  # only reference counting: nothing waits for a collection
+    try:
+        for x in (idle, short, kept):
+            s.release(x.id)
+        # the test still holds the session objects, as a cycle would
+        assert all(r() is None for r in refs["short"]) and _buffers(short) == []
+        assert all(r() is not None for r in refs["kept"]) and len(s.prefixes) == 1
+        (entry,) = s.prefixes.entries()
+        assert entry.tokens[:20] == prompt(20, 3)
+    finally:
+        gc.enable()
+
+
 def _config(tiny_models: TinyModels, tiny_onnx: TinyOnnx, **overrides: Any) -> DraftServiceConfig:
     cfg = DraftServiceConfig(
         drafters=[DrafterSpec(name="tiny", model=str(tiny_models.draft), precision="fp32")],

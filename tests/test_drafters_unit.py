@@ -236,7 +236,7 @@ def test_draft_service_refuses_an_unknown_default_drafter() -> None:
     from draft_service.cli import config_from_args
     from specdec_app.cli import build_parser
 
-    cfg = config_from_args(build_parser().parse_args(
-        ["serve", "draft", "--drafters", "qwen2.5-coder-0.5b", "--default-drafter", "prompt-lookup"]), 0)
-    with pytest.raises(ValueError, match="default_drafter 'prompt-lookup' is not one of"):
-        cfg.validate()  # the server validates its config before it loads anything
+    # checked with the flags, before anything loads, and the message names the flag
+    with pytest.raises(SystemExit, match="specdec: --default-drafter 'prompt-lookup' is not one of"):
+        config_from_args(build_parser().parse_args(
+            ["serve", "draft", "--drafters", "qwen2.5-coder-0.5b", "--default-drafter", "prompt-lookup"]), 0)

@@ -240,3 +240,24 @@ def test_the_mmap_threshold_flag_is_checked_before_start() -> None:
     assert config("--memory-mmap-threshold", "0").memory_mmap_threshold_bytes == 0
     with pytest.raises(SystemExit, match="specdec: .*--memory-mmap-threshold must be in"):
         config("--memory-mmap-threshold", str(64 << 20))
+
+
+def test_the_draft_takes_the_same_mmap_threshold_flag_checked_before_start() -> None:
+    """The draft's KV buffers grow by doubling: with a fixed threshold their
+    unwritten capacity is never resident and a freed one leaves RSS at once.
+    The flag is checked like the target's, through `serve draft` and `up`."""
+    from specdec_app.cli import build_parser
+    from draft_service.cli import config_from_args
+
+    def config(*flags: str):  # type: ignore[no-untyped-def]
+        return config_from_args(build_parser().parse_args(["serve", "draft", *flags]), 0)
+
+    assert config().memory_mmap_threshold_bytes == 256 << 10
+    assert config("--memory-mmap-threshold", "0").memory_mmap_threshold_bytes == 0
+    with pytest.raises(SystemExit, match="specdec: --memory-mmap-threshold must be in"):
+        config("--memory-mmap-threshold", str(64 << 20))
+    with pytest.raises(SystemExit, match="specdec: --kv-budget-tokens .*must be >= 1"):
+        config("--kv-budget-tokens", "0")
+    up = build_parser().parse_args(["up", "--draft-memory-mmap-threshold", "-1"])
+    with pytest.raises(SystemExit, match="specdec: --draft-memory-mmap-threshold must be in"):
+        config_from_args(up, 0)

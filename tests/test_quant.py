@@ -418,3 +418,73 @@ def test_fused_projections_compute_the_same_logits(quant_model: tuple[Path, Path
         for k in (24, 1, 2, 5):
             a, b = (m(input_ids=ids[:, :k]).logits for m in models)
             assert torch.equal(a, b), k
+
+
+# ------------------------------------------------- the embedding, as stored
+def test_quantized_embedding_is_the_checkpoints_embedding_bit_for_bit(quant_model: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
+    """The quantized backends keep the input embedding as the file's Q4_K
+    rows and dequantize on lookup: every row equals the float32 checkpoint's
+    exactly (repeated ids, any batch shape), so the logits are unchanged;
+    ids out of range raise. Negative control: the weights the tiny model was
+    built with (before quantization) differ from those rows."""
+    from transformers import AutoModelForCausalLM
+
+    hf, gguf_path = quant_model
+    ref = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    table = ref.get_input_embeddings().weight.detach().clone()
+    m = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        quant.apply_quant(m, "kquant", gguf_path)
+    emb = m.get_input_embeddings()
+    assert isinstance(emb, quant.QuantEmbedding) and emb.kind == "Q4_K"
+    assert emb.rows.base is None and not isinstance(emb.rows, np.memmap)  # its own pages, not the file's
+    n = table.shape[0]
+    all_ids = torch.arange(n).reshape(1, n)
+    with torch.inference_mode():
+        assert torch.equal(emb(all_ids)[0], table)
+        ids = torch.tensor([[5, 5, 0, n - 1], [7, 5, 7, 1]])
+        out = emb(ids)
+        assert out.shape == (2, 4, table.shape[1]) and out.dtype == torch.float32
+        assert torch.equal(out, table[ids])
+        with pytest.raises(IndexError):
+            emb(torch.tensor([[n]]))
+    # negative control: the unquantized weights the model was built from
+    from tests.conftest import TINY_CHARS
+    from tests.tiny import build_tiny_model
+
+    raw = build_tiny_model(tmp_path / "hf", chars=TINY_CHARS, seed=21, hidden_size=256, intermediate_size=512,
+                           num_heads=4, num_kv_heads=2)
+    orig = AutoModelForCausalLM.from_pretrained(str(raw), dtype=torch.float32).get_input_embeddings().weight
+    with torch.inference_mode():
+        assert not torch.equal(emb(all_ids)[0], orig.detach())
+
+
+def test_a_file_without_token_embd_keeps_the_checkpoints_embedding(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import TINY_CHARS
+    from tests.gguf_tiny import quantize_tiny_model
+    from tests.tiny import build_tiny_model
+
+    hf = build_tiny_model(tmp_path / "hf", chars=TINY_CHARS, seed=4, hidden_size=256, intermediate_size=512,
+                          num_heads=4, num_kv_heads=2)
+    path = quantize_tiny_model(hf, tmp_path / "m.gguf", embedding=None)
+    m = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        quant.apply_quant(m, "kquant" if kquant.available()[0] else "int4", path)
+    assert type(m.get_input_embeddings()) is torch.nn.Embedding
+
+
+def test_real_embedding_rows_are_the_float32_dequantization() -> None:
+    """The default target's token_embd (Q4_K, 151,936 rows): a lookup of a
+    sample of ids equals gguf's float32 dequantization of those rows, the
+    values the converted checkpoint holds."""
+    t = real_tensor("token_embd.weight")
+    emb = quant.QuantEmbedding(t)
+    ids = torch.tensor([[0, 1, 151_935, 42, 42, 100_000, 7_777]])
+    rows = np.asarray(t.data).reshape(t.n, -1)
+    want = gguf_dequantize(rows[ids[0].numpy()], t.kind, ids.shape[1], t.k)
+    with torch.inference_mode():
+        assert np.array_equal(emb(ids)[0].numpy(), want)
+    assert emb.nbytes == t.n * t.k // 256 * 144
