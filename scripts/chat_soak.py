@@ -226,8 +226,8 @@ def rss_report(series: dict[str, list[tuple[float, float]]], offset: float, warm
         warm = [(t + offset, mb) for t, mb in pts if warm_s is not None and t + offset <= warm_s]
         after = [(t + offset, mb) for t, mb in pts if warm_s is not None and t + offset > warm_s]
         if warm and after:
-            base = statistics.median(mb for t, mb in warm if t > warm[-1][0] - window_s)
-            level = statistics.median(mb for t, mb in after if t > after[-1][0] - window_s)
+            base = round(statistics.median(mb for t, mb in warm if t > warm[-1][0] - window_s), 1)
+            level = round(statistics.median(mb for t, mb in after if t > after[-1][0] - window_s), 1)
             peak_w, peak_a = max(mb for _, mb in warm), max(mb for _, mb in after)
             out[name] = {"samples": len(pts), "warmup_level_mb": base, "final_level_mb": level,
                          "growth": round(level / base - 1, 4), "pass": level / base - 1 < limit,
