@@ -229,35 +229,24 @@ def test_a_fixed_mmap_threshold_returns_freed_blocks_at_once(threshold: str) -> 
         assert freed_mib < 20, freed_mib
 
 
-def test_the_mmap_threshold_flag_is_checked_before_start() -> None:
+@pytest.mark.parametrize("service", ["target", "draft"])
+def test_the_mmap_threshold_flag_is_checked_before_start(service: str) -> None:
+    """Both model services take it (the draft's KV buffers grow by doubling:
+    with a fixed threshold their unwritten capacity is never resident and a
+    freed one leaves RSS at once), checked through `serve` and through `up`."""
+    import importlib
+
     from specdec_app.cli import build_parser
-    from target_service.cli import config_from_args
+
+    config_from_args = importlib.import_module(f"{service}_service.cli").config_from_args
 
     def config(*flags: str):  # type: ignore[no-untyped-def]
-        return config_from_args(build_parser().parse_args(["serve", "target", *flags]), 0)
-
-    assert config().memory_mmap_threshold_bytes == 256 << 10
-    assert config("--memory-mmap-threshold", "0").memory_mmap_threshold_bytes == 0
-    with pytest.raises(SystemExit, match="specdec: .*--memory-mmap-threshold must be in"):
-        config("--memory-mmap-threshold", str(64 << 20))
-
-
-def test_the_draft_takes_the_same_mmap_threshold_flag_checked_before_start() -> None:
-    """The draft's KV buffers grow by doubling: with a fixed threshold their
-    unwritten capacity is never resident and a freed one leaves RSS at once.
-    The flag is checked like the target's, through `serve draft` and `up`."""
-    from specdec_app.cli import build_parser
-    from draft_service.cli import config_from_args
-
-    def config(*flags: str):  # type: ignore[no-untyped-def]
-        return config_from_args(build_parser().parse_args(["serve", "draft", *flags]), 0)
+        return config_from_args(build_parser().parse_args(["serve", service, *flags]), 0)
 
     assert config().memory_mmap_threshold_bytes == 256 << 10
     assert config("--memory-mmap-threshold", "0").memory_mmap_threshold_bytes == 0
     with pytest.raises(SystemExit, match="specdec: --memory-mmap-threshold must be in"):
         config("--memory-mmap-threshold", str(64 << 20))
-    with pytest.raises(SystemExit, match="specdec: --kv-budget-tokens .*must be >= 1"):
-        config("--kv-budget-tokens", "0")
-    up = build_parser().parse_args(["up", "--draft-memory-mmap-threshold", "-1"])
-    with pytest.raises(SystemExit, match="specdec: --draft-memory-mmap-threshold must be in"):
+    up = build_parser().parse_args(["up", f"--{service}-memory-mmap-threshold", "-1"])
+    with pytest.raises(SystemExit, match=f"specdec: --{service}-memory-mmap-threshold must be in"):
         config_from_args(up, 0)
