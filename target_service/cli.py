@@ -8,7 +8,6 @@ flags as ``--target-*`` and builds the child's command line with
 from __future__ import annotations
 
 import argparse
-import re
 from typing import Any
 
 from specdec.memory import DEFAULT_MMAP_THRESHOLD

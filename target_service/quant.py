@@ -308,7 +308,7 @@ class QuantEmbedding(torch.nn.Module):
         self.kind = t.kind
         self.num_embeddings, self.embedding_dim = t.n, t.k
         # a private copy: anonymous pages, all resident now, not the file's
-        self.rows = np.ascontiguousarray(np.asarray(t.data).reshape(t.n, -1)).copy()
+        self.rows = np.array(np.asarray(t.data).reshape(t.n, -1), order="C")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         import gguf
@@ -343,10 +343,7 @@ def quantized_embedding(model: torch.nn.Module, f: "GgufFile") -> str:
         return f"kept (token_embd.weight is [{t.n}, {t.k}], the embedding {list(emb.weight.shape)})"
     if t.kind in ("F32", "F16", "BF16") or t.kind not in gguf.GGMLQuantizationType.__members__:
         return f"kept ({t.kind})"
-    tied = any(p is emb.weight for p in model.get_output_embeddings().parameters(recurse=False)) \
-        if model.get_output_embeddings() is not None else False
-    if tied:  # the head still reads this weight: keep it
-        return "kept (tied to the LM head)"
+    # no tie to care about: the LM head was replaced by its own GGUF tensor first
     model.set_input_embeddings(QuantEmbedding(t))
     return f"{t.kind} rows"
 
