@@ -20,7 +20,9 @@ context on; at a 3-token context they differed by 1e-6, SDPA blocking a
 Neither path is bit-identical with a 1-token step (that holds for the
 linear layers only, docs/design.md), so nothing relies on it. Every other
 case (no mask, one query token, position bias) goes to transformers' own
-function unchanged.
+function unchanged. The kquant backends do not come here: their decoder
+layers run ``kq_attention`` (target_service/fastlayers.py), whose rows are
+bit-identical whatever the pass.
 """
 
 from __future__ import annotations

@@ -402,7 +402,7 @@ def machine_identity(device: "torch.device") -> dict[str, object]:
     threads and torch."""
     import torch
 
-    from target_service import attention
+    from target_service import attention, fastlayers
     from target_service.backends import compute_threads, cpu_info
 
     info = cpu_info()
@@ -418,6 +418,7 @@ def machine_identity(device: "torch.device") -> dict[str, object]:
         "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
         "kernels": _kernel_digest(),  # a changed bf16w kernel measures again
         "attention": attention.IDENTITY,  # a changed attention path measures again
+        "layers": fastlayers.IDENTITY,  # so does a changed decoder-layer path (kquant)
     }
     if device.type == "cuda":
         ident["gpu"] = torch.cuda.get_device_name(device)

@@ -20,6 +20,7 @@
    fixed horizontal sum and the bias. */
 
 #include <immintrin.h>
+#include <math.h>
 #include <x86intrin.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -59,6 +60,11 @@ typedef struct {
     const float* xs8;    /* [M][K/16] dx · (the sum of the lane's codes) */
     const int32_t* xo;   /* [M][K/16] −32 · (the sum of the lane's codes): Q6_K's offset, exact */
     int a8;
+    /* any other work split over the pool (kq_attention): task(ctx, lo, hi)
+       for its units [lo, hi) instead of the output rows */
+    void (*task)(const void* ctx, int64_t lo, int64_t hi);
+    const void* ctx;
+    int64_t units;
 } job_t;
 
 /* an output: the tile's sum plus the bias */
@@ -707,7 +713,10 @@ static void* worker_main(void* arg) {
         seen = g;
         if (id < nthreads) {
             const job_t* j = cur_job;
-            if (ranges[id] < ranges[id + 1]) run_rows(j, ranges[id], ranges[id + 1]);
+            if (ranges[id] < ranges[id + 1]) {
+                if (j->task) j->task(j->ctx, ranges[id], ranges[id + 1]);
+                else run_rows(j, ranges[id], ranges[id + 1]);
+            }
             atomic_fetch_sub_explicit(&pending, 1, memory_order_acq_rel);
         }
     }
@@ -737,11 +746,19 @@ int kq_set_threads(int n) {
 static void dispatch(job_t* j) {
     pthread_mutex_lock(&pool_mu);
     const int T = nthreads;
-    const int64_t blocks = (j->N + 7) / 8;
-    const int64_t per = (blocks + T - 1) / T;
-    for (int t = 0; t <= T; t++) {
-        int64_t r = (int64_t)t * per * 8;
-        ranges[t] = r < j->N ? r : j->N;
+    if (j->task) {
+        const int64_t per = (j->units + T - 1) / T;
+        for (int t = 0; t <= T; t++) {
+            int64_t r = (int64_t)t * per;
+            ranges[t] = r < j->units ? r : j->units;
+        }
+    } else {
+        const int64_t blocks = (j->N + 7) / 8;
+        const int64_t per = (blocks + T - 1) / T;
+        for (int t = 0; t <= T; t++) {
+            int64_t r = (int64_t)t * per * 8;
+            ranges[t] = r < j->N ? r : j->N;
+        }
     }
     if (T > 1) {
         cur_job = j;
@@ -749,7 +766,11 @@ static void dispatch(job_t* j) {
         atomic_fetch_add_explicit(&generation, 1, memory_order_release);
         futex_wake(&generation);
     }
-    run_rows(j, ranges[0], ranges[1]);
+    if (j->task) {
+        if (ranges[0] < ranges[1]) j->task(j->ctx, ranges[0], ranges[1]);
+    } else {
+        run_rows(j, ranges[0], ranges[1]);
+    }
     if (T > 1)
         while (atomic_load_explicit(&pending, memory_order_acquire) > 0) _mm_pause();
     pthread_mutex_unlock(&pool_mu);
@@ -813,4 +834,292 @@ int kq_isa(void) {
 #else
     return 0;
 #endif
+}
+
+/* ------------------------------------------------ a decoder layer's small ops
+   The element-wise work between the linear layers of a decoder layer
+   (target_service/fastlayers.py), one call each instead of several torch
+   ops. Plain C (no intrinsics): both builds compile the same float32
+   operations in the same order (-ffp-contract=off), so they give the same
+   bits. Each row is computed alone, whatever the rows beside it. */
+
+/* sum of squares of x[0..K): 16 float32 lanes (element i into lane i % 16,
+   in order), then the lanes summed pairwise (lane l += lane l + w for
+   w = 8, 4, 2, 1) */
+static float sum_squares(const float* x, int64_t K) {
+    float acc[16];
+    for (int l = 0; l < 16; l++) acc[l] = 0.0f;
+    int64_t i = 0;
+    for (; i + 16 <= K; i += 16)
+        for (int l = 0; l < 16; l++) {
+            const float p = x[i + l] * x[i + l];
+            acc[l] = acc[l] + p;
+        }
+    for (int l = 0; i < K; i++, l++) {
+        const float p = x[i] * x[i];
+        acc[l] = acc[l] + p;
+    }
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
+    return acc[0];
+}
+
+/* RMSNorm of M rows of K, as transformers' (float32): y = w · (h · r) with
+   r = 1 / sqrt(sum(h²) / K + eps), the sum as sum_squares. With res (not
+   NULL), h = x + res first, written to h (which may be x). Without res h is
+   x itself (h may be NULL). */
+void kq_rmsnorm(const float* x, const float* res, float* h, const float* w, float eps, int64_t M, int64_t K,
+                float* y) {
+    for (int64_t m = 0; m < M; m++) {
+        const float* xr = x + m * K;
+        const float* hr = xr;
+        if (res) {
+            float* hw = h + m * K;
+            const float* rr = res + m * K;
+            for (int64_t i = 0; i < K; i++) hw[i] = xr[i] + rr[i];
+            hr = hw;
+        }
+        const float var = sum_squares(hr, K) / (float)K;
+        const float r = 1.0f / sqrtf(var + eps);
+        float* yr = y + m * K;
+        for (int64_t i = 0; i < K; i++) {
+            const float t = hr[i] * r;
+            yr[i] = w[i] * t;
+        }
+    }
+}
+
+/* rotary embedding as transformers' apply_rotary_pos_emb (x·cos +
+   rotate_half(x)·sin, the same products and sums): src holds B·T rows (row
+   b·T + t at src + (b·T + t)·stride) of H heads of D; cos and sin are
+   [B][T][D]; out is [B][H][T][D] */
+void kq_rope(const float* src, int64_t stride, int64_t B, int64_t T, int64_t H, int64_t D, const float* cos,
+             const float* sin, float* out) {
+    const int64_t half = D / 2;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++) {
+            const float* row = src + (b * T + t) * stride;
+            const float* c = cos + (b * T + t) * D;
+            const float* s = sin + (b * T + t) * D;
+            for (int64_t hh = 0; hh < H; hh++) {
+                const float* x = row + hh * D;
+                float* o = out + ((b * H + hh) * T + t) * D;
+                for (int64_t d = 0; d < half; d++) {
+                    const float a = x[d] * c[d], p = x[d + half] * s[d];
+                    o[d] = a - p;
+                }
+                for (int64_t d = half; d < D; d++) {
+                    const float a = x[d] * c[d], p = x[d - half] * s[d];
+                    o[d] = a + p;
+                }
+            }
+        }
+}
+
+/* src rows (stride apart) of H heads of D to [B][H][T][D] */
+void kq_heads(const float* src, int64_t stride, int64_t B, int64_t T, int64_t H, int64_t D, float* out) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t hh = 0; hh < H; hh++)
+                memcpy(out + ((b * H + hh) * T + t) * D, src + (b * T + t) * stride + hh * D, (size_t)D * 4);
+}
+
+/* 16 float32 lanes: one 512-bit register on the AVX-512 build, two 256-bit
+   ones on the AVX2 build, with the same per-lane operations (FMA included)
+   on both, so both give the same bits */
+#ifdef KQ_AVX512
+typedef __m512 l16;
+static inline l16 l_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline void l_store(float* p, l16 v) { _mm512_storeu_ps(p, v); }
+static inline l16 l_set1(float x) { return _mm512_set1_ps(x); }
+static inline l16 l_add(l16 a, l16 b) { return _mm512_add_ps(a, b); }
+static inline l16 l_sub(l16 a, l16 b) { return _mm512_sub_ps(a, b); }
+static inline l16 l_mul(l16 a, l16 b) { return _mm512_mul_ps(a, b); }
+static inline l16 l_max(l16 a, l16 b) { return _mm512_max_ps(a, b); }
+static inline l16 l_fma(l16 a, l16 b, l16 c) { return _mm512_fmadd_ps(a, b, c); }
+/* 2^n for integral n in [-126, 127] */
+static inline l16 l_pow2(l16 n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+static inline __m256 l_half_sum(l16 a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+#else
+typedef struct { __m256 lo, hi; } l16;
+static inline l16 l_load(const float* p) { l16 r = { _mm256_loadu_ps(p), _mm256_loadu_ps(p + 8) }; return r; }
+static inline void l_store(float* p, l16 v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+static inline l16 l_set1(float x) { l16 r = { _mm256_set1_ps(x), _mm256_set1_ps(x) }; return r; }
+static inline l16 l_add(l16 a, l16 b) { l16 r = { _mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi) }; return r; }
+static inline l16 l_sub(l16 a, l16 b) { l16 r = { _mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi) }; return r; }
+static inline l16 l_mul(l16 a, l16 b) { l16 r = { _mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi) }; return r; }
+static inline l16 l_max(l16 a, l16 b) { l16 r = { _mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi) }; return r; }
+static inline l16 l_fma(l16 a, l16 b, l16 c) {
+    l16 r = { _mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi) };
+    return r;
+}
+static inline __m256 pow2_8(__m256 n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline l16 l_pow2(l16 n) { l16 r = { pow2_8(n.lo), pow2_8(n.hi) }; return r; }
+static inline __m256 l_half_sum(l16 a) { return _mm256_add_ps(a.lo, a.hi); }
+#endif
+
+/* lane l += lane l + w for w = 8, 4, 2, 1 (the order of sum_squares) */
+static inline float l_tree(l16 a) {
+    const __m256 s8 = l_half_sum(a);  /* lane l: a[l] + a[l + 8] */
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+/* e^x per lane for x <= 0 (Cephes' expf: x = n·ln 2 + r with n = x·log2 e
+   rounded to nearest even, a degree-6 polynomial in r, times 2^n), about 1
+   ulp; below -87, e^-87. Lanes of x > 0 give garbage (masked by the caller). */
+static inline l16 l_exp(l16 x) {
+    const l16 xc = l_max(x, l_set1(-87.0f));
+    const l16 t = l_mul(xc, l_set1(1.44269504088896341f));
+    const l16 n = l_sub(l_add(t, l_set1(12582912.0f)), l_set1(12582912.0f));  /* round to nearest even */
+    l16 r = l_sub(xc, l_mul(n, l_set1(0.693359375f)));
+    r = l_sub(r, l_mul(n, l_set1(-2.12194440e-4f)));
+    const l16 z = l_mul(r, r);
+    l16 p = l_set1(1.9875691500e-4f);
+    p = l_add(l_mul(p, r), l_set1(1.3981999507e-3f));
+    p = l_add(l_mul(p, r), l_set1(8.3334519073e-3f));
+    p = l_add(l_mul(p, r), l_set1(4.1665795894e-2f));
+    p = l_add(l_mul(p, r), l_set1(1.6666665459e-1f));
+    p = l_add(l_mul(p, r), l_set1(5.0000001201e-1f));
+    p = l_add(l_add(l_mul(p, z), r), l_set1(1.0f));
+    return l_mul(p, l_pow2(n));
+}
+
+#define MAX_D 256
+typedef struct {
+    const float *q, *k, *v;
+    int64_t H, T, D, ksb, ksh, kss, vsb, vsh, vss, Hkv, S;
+    const uint8_t* mask;
+    int64_t msb, mst, mss;
+    int causal;
+    float scale;
+    float* out;
+    atomic_int failed;
+} attn_t;
+
+/* units [lo, hi) of an attention: unit u is batch row u / Hkv, KV head u %
+   Hkv; C = D / 16 (a constant for the usual head size) */
+static inline __attribute__((always_inline)) void attn_body(attn_t* a, int64_t lo, int64_t hi, const int64_t C) {
+    const int64_t H = a->H, T = a->T, D = a->D, S = a->S, Hkv = a->Hkv;
+    const int64_t rep = H / Hkv, R = rep * T;  /* query rows per KV head: row r·T + t is (head r, token t) */
+    const int64_t SP = (S + 15) / 16 * 16;
+    float* sc = (float*)aligned_alloc(64, (size_t)((R * SP * 4 + 63) / 64 * 64));
+    float* den = (float*)malloc((size_t)R * 4);
+    uint8_t* use = (uint8_t*)malloc((size_t)(T * SP));
+    if (!sc || !den || !use) {
+        free(sc); free(den); free(use);
+        atomic_store(&a->failed, 1);
+        return;
+    }
+    for (int64_t unit = lo; unit < hi; unit++) {
+        const int64_t b = unit / Hkv, g = unit % Hkv;
+        for (int64_t t = 0; t < T; t++) {
+            uint8_t* u = use + t * SP;
+            for (int64_t s = 0; s < S; s++)
+                u[s] = a->mask ? (a->mask[b * a->msb + t * a->mst + s * a->mss] != 0)
+                               : (uint8_t)(!a->causal || s <= S - T + t);
+            for (int64_t s = S; s < SP; s++) u[s] = 0;
+        }
+        const float* kb = a->k + b * a->ksb + g * a->ksh;
+        const float* vb = a->v + b * a->vsb + g * a->vsh;
+        const float* qg = a->q + (b * H + g * rep) * T * D;  /* the group's R rows, contiguous */
+        /* scores: each key row once for every query row of the group */
+        for (int64_t s = 0; s < S; s++) {
+            l16 kk[MAX_D / 16];
+            for (int64_t c = 0; c < C; c++) kk[c] = l_load(kb + s * a->kss + 16 * c);
+            for (int64_t i = 0; i < R; i++) {
+                const float* qr = qg + i * D;
+                l16 d = l_set1(0.0f);
+                for (int64_t c = 0; c < C; c++) d = l_fma(l_load(qr + 16 * c), kk[c], d);
+                sc[i * SP + s] = l_tree(d) * a->scale;
+            }
+        }
+        for (int64_t i = 0; i < R; i++) {
+            float* row = sc + i * SP;
+            const uint8_t* u = use + (i % T) * SP;
+            for (int64_t s = S; s < SP; s++) row[s] = 0.0f;
+            float mx = -INFINITY;
+            for (int64_t s = 0; s < S; s++)
+                if (u[s] && row[s] > mx) mx = row[s];
+            if (mx == -INFINITY) mx = 0.0f;
+            const l16 m16 = l_set1(mx);
+            for (int64_t s = 0; s < SP; s += 16) l_store(row + s, l_exp(l_sub(l_load(row + s), m16)));
+            for (int64_t s = 0; s < SP; s++) row[s] = u[s] ? row[s] : 0.0f;
+        }
+        /* weighted sums of the values, in key order: each row's sums in registers */
+        for (int64_t i = 0; i < R; i++) {
+            l16 ac[MAX_D / 16];
+            for (int64_t c = 0; c < C; c++) ac[c] = l_set1(0.0f);
+            float dn = 0.0f;
+            const float* pr = sc + i * SP;
+            for (int64_t s = 0; s < S; s++) {
+                const float p = pr[s];
+                const l16 pp = l_set1(p);
+                const float* vs = vb + s * a->vss;
+                for (int64_t c = 0; c < C; c++) ac[c] = l_fma(pp, l_load(vs + 16 * c), ac[c]);
+                dn = dn + p;
+            }
+            const int64_t r = i / T, t = i % T;
+            float* o = a->out + ((b * T + t) * H + g * rep + r) * D;
+            if (dn > 0.0f) {
+                const l16 dd = l_set1(dn);
+#ifdef KQ_AVX512
+                for (int64_t c = 0; c < C; c++) l_store(o + 16 * c, _mm512_div_ps(ac[c], dd));
+#else
+                for (int64_t c = 0; c < C; c++) {
+                    l16 q16 = { _mm256_div_ps(ac[c].lo, dd.lo), _mm256_div_ps(ac[c].hi, dd.hi) };
+                    l_store(o + 16 * c, q16);
+                }
+#endif
+            } else {
+                memset(o, 0, (size_t)D * 4);
+            }
+        }
+    }
+    free(sc); free(den); free(use);
+}
+
+static void attn_units(const void* ctx, int64_t lo, int64_t hi) {
+    attn_t* a = (attn_t*)ctx;
+    if (a->D == 128) attn_body(a, lo, hi, 8);
+    else attn_body(a, lo, hi, a->D / 16);
+}
+
+/* Attention of each query row over the keys its mask allows, every row on
+   its own (the same operations whatever the other rows, the batch, the
+   keys it does not attend or the thread):
+     score_s = (q · k_s) · scale          (16 lanes of FMAs over D, then tree16)
+     p_s = e^(score_s − max score)        (exp16; 0 where masked)
+     out = (Σ_s p_s · v_s) / (Σ_s p_s)    (both sums over s in order, FMAs for the first)
+   A masked key adds exact zeros, so left padding or a longer cache leaves
+   a row's bits unchanged. q is [B][H][T][D]; keys and values are strided
+   [B][Hkv][S][D] (strides in floats: batch, head, position; unit along D);
+   query head h reads KV head h / (H / Hkv). mask: NULL (causal when
+   causal != 0: row t attends s <= S − T + t; else every key), or bytes
+   (nonzero: attend) at mask + b·msb + t·mst + s·mss. out is [B][T][H][D];
+   a row that attends nothing gets zeros. The (batch row, KV head) units
+   are split over the kernel's threads. D must be a multiple of 16 (at most
+   MAX_D). Returns 0; 1 when scratch cannot be allocated; 2 for a shape it
+   does not take. */
+int kq_attention(const float* q, int64_t B, int64_t H, int64_t T, int64_t D,
+                 const float* k, int64_t ksb, int64_t ksh, int64_t kss,
+                 const float* v, int64_t vsb, int64_t vsh, int64_t vss, int64_t Hkv, int64_t S,
+                 const uint8_t* mask, int64_t msb, int64_t mst, int64_t mss, int causal, float scale, float* out) {
+    if (D % 16 || D > MAX_D || Hkv < 1 || H % Hkv) return 2;
+    if (!started) kq_set_threads(1);
+    attn_t a = { q, k, v, H, T, D, ksb, ksh, kss, vsb, vsh, vss, Hkv, S, mask, msb, mst, mss, causal, scale, out, 0 };
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.task = attn_units;
+    j.ctx = &a;
+    j.units = B * Hkv;
+    dispatch(&j);
+    return atomic_load(&a.failed) ? 1 : 0;
 }

@@ -348,12 +348,15 @@ def quantized_embedding(model: torch.nn.Module, f: "GgufFile") -> str:
     return f"{t.kind} rows"
 
 
-def apply_quant(model: torch.nn.Module, backend: str, gguf_path: Path, fuse: bool = True) -> dict[str, int]:
+def apply_quant(model: torch.nn.Module, backend: str, gguf_path: Path, fuse: bool = True,
+                fast_layers: bool = True) -> dict[str, int]:
     """Replaces every linear layer of ``model`` (float32, CPU) by its
     ``backend`` module built from ``gguf_path``; returns how many of each
     kind. Raises ValueError when the file lacks a layer's tensor or its shape
     differs. ``fuse`` (kquant): sibling projections of one input run as one
-    kernel call (``kquant.fuse_projections``; the same numerics)."""
+    kernel call (``kquant.fuse_projections``; the same numerics).
+    ``fast_layers`` (kquant): the decoder layers' small ops fused
+    (``fastlayers.install``; RMSNorm's sum in its own fixed order)."""
     if backend not in QUANT_BACKENDS:
         raise ValueError(f"unknown quantized backend {backend!r}")
     f = GgufFile(gguf_path)
@@ -379,6 +382,10 @@ def apply_quant(model: torch.nn.Module, backend: str, gguf_path: Path, fuse: boo
 
         counts["fused_calls"] = fuse_projections(model, decode)
     embedding = quantized_embedding(model, f)
+    if backend in ("kquant", "kquant-a8") and fast_layers:  # the small ops between them fused (fastlayers.py)
+        from target_service import fastlayers
+
+        counts["fast_layers"] = fastlayers.install(model)
     log(logger, logging.INFO, "linear layers from GGUF blocks", backend=backend, file=f.path.name,
         embedding=embedding, **counts)
     return counts

@@ -1,0 +1,284 @@
+"""A Qwen2 decoder layer's forward for the ``kquant`` backends, with the
+small ops between the linear layers fused (issue 24).
+
+transformers' decoder layer runs some 40 eager torch ops per layer and step
+between our kernel calls (two RMSNorms of six ops each, rotary embedding
+with ``rotate_half``'s slices, negation and ``torch.cat`` for the queries
+and for the keys, the residual adds, the transposes and copies), each a
+dispatch of a few microseconds on torch's single thread, and SDPA's CPU
+flash-attention kernel costs ~80 µs per layer for one query: 12.7 ms of a
+60 ms step of the 1.5B target (docs/benchmarks.md, "Where a quantized
+step's time goes"). ``fast_forward`` does the same computation with one C
+call per group of them (kquant.c, "a decoder layer's small ops"):
+
+- input RMSNorm: ``kq_rmsnorm``;
+- q, k, v: the fused projection's output taken directly, then
+  ``kq_rope`` writes the rotated queries and keys as [B, H, T, D] from it
+  (the same products and sums as ``q·cos + rotate_half(q)·sin``, so the
+  same bits), ``kq_heads`` the values;
+- attention: ``kq_attention`` (grouped-query, over the cache's own K/V
+  views, its (batch row, KV head) units on the kernel's threads), for the
+  model's SDPA or eager attention; any other implementation, or a mask
+  that is not boolean, runs the model's own function;
+- the residual add and the post-attention RMSNorm: one ``kq_rmsnorm``;
+- SiLU(gate) · up: torch (``silu``, ``mul_``), as before, on the fused
+  gate/up output;
+- the last residual add in place.
+
+Numerics. Rotary embedding, the residual adds and the MLP's activation are
+transformers' float32 arithmetic, bit for bit. Two parts compute in their
+own fixed order, so they differ from torch's in the last bits (float32
+rounding; tested): RMSNorm's sum of squares (16 lanes, element i into lane
+i mod 16, then the lanes pairwise) and attention (each score a 16-lane dot
+product summed the same way, e^x by Cephes' polynomial, the weighted sum
+of the values and the softmax denominator over the keys in order). Each row
+is computed on its own: a masked key adds exact zeros, so a row's bits do
+not depend on the rows, the batch rows, the left padding or the threads
+beside it, and both kernel builds perform the same float32 operations
+(plain C and vector extensions, no contraction), so they give the same bits.
+With the kernel's linear layers (row-independent too), a row's logits are
+the same for a prompt, a 1-token step, a k-token verify and a batched
+verify (tests/test_fastlayers.py). Since the numerics change, they are a
+property of the backend: IDENTITY (and the kquant.c source digest) are part
+of the calibration cache's identity, so a calibration measured with
+transformers' layers is not reused.
+
+Only ``Qwen2DecoderLayer`` with everything it expects (SiLU MLP, RMSNorm,
+rotary embedding, float32 activations, kquant projections) is switched; a
+call the fast path does not handle (another dtype, output attentions) runs
+the original forward.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import types
+from typing import Any
+
+import torch
+
+from target_service import kquant
+
+IDENTITY = "fused-layers-1"  # part of the calibration cache's identity: bump when the numerics or timing can change
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+@functools.lru_cache(maxsize=2)
+def _lib(which: str) -> ctypes.CDLL:
+    lib, why = kquant._library(which)
+    if lib is None:
+        raise RuntimeError(f"the kquant kernel is not available: {why}")
+    lib.kq_rmsnorm.restype = None
+    lib.kq_rmsnorm.argtypes = [_P, _P, _P, _P, ctypes.c_float, _I, _I, _P]
+    lib.kq_rope.restype = None
+    lib.kq_rope.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _P]
+    lib.kq_heads.restype = None
+    lib.kq_heads.argtypes = [_P, _I, _I, _I, _I, _I, _P]
+    lib.kq_attention.restype = ctypes.c_int
+    lib.kq_attention.argtypes = [_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _I, _I, _I, _I, _I,
+                                 _P, _I, _I, _I, ctypes.c_int, ctypes.c_float, _P]
+    return lib
+
+
+def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              scale: float) -> torch.Tensor | None:
+    """``kq_attention`` of q [B, H, T, D] (contiguous) over k, v [B, Hkv, S,
+    D] (unit stride along D) under ``mask`` (None: causal; or bool [B or 1,
+    1, T, S]): [B, T, H, D], or None when the inputs are of another form (the
+    caller then runs the model's own attention)."""
+    b, h, t, d = q.shape
+    if k.dtype != torch.float32 or v.dtype != torch.float32 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return None
+    hkv, s = k.shape[1], k.shape[2]
+    if k.shape != (b, hkv, s, d) or v.shape != k.shape or h % hkv:
+        return None
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2:] != (t, s) \
+                or mask.shape[0] not in (1, b):
+            return None
+        msb = mask.stride(0) if mask.shape[0] == b else 0
+        mptr, mst, mss = mask.data_ptr(), mask.stride(2), mask.stride(3)
+    else:
+        mptr, msb, mst, mss = None, 0, 0, 0
+    out = torch.empty((b, t, h, d), dtype=torch.float32)
+    rc = lib.kq_attention(q.data_ptr(), b, h, t, d, k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+                          v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), hkv, s,
+                          mptr, msb, mst, mss, 1, scale, out.data_ptr())
+    if rc == 2:
+        return None
+    if rc != 0:
+        raise MemoryError("kquant attention: scratch allocation failed")
+    return out
+
+
+def rmsnorm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float,
+            residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, RMSNorm(h)) of float32 rows ``x`` [..., K], h = x + residual when
+    given (a new tensor), else x."""
+    k = x.shape[-1]
+    x = x.contiguous()
+    m = x.numel() // k
+    y = torch.empty_like(x)
+    if residual is None:
+        lib.kq_rmsnorm(x.data_ptr(), None, None, weight.data_ptr(), eps, m, k, y.data_ptr())
+        return x, y
+    residual = residual.contiguous()
+    h = torch.empty_like(x)
+    lib.kq_rmsnorm(x.data_ptr(), residual.data_ptr(), h.data_ptr(), weight.data_ptr(), eps, m, k, y.data_ptr())
+    return h, y
+
+
+def _projections(mods: list[torch.nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    """Each module's output for ``x``: the members of one fused projection
+    from one kernel call (column slices of its output), the rest by calling them."""
+    outs: list[torch.Tensor | None] = [None] * len(mods)
+    shared: dict[int, torch.Tensor] = {}
+    for i, mod in enumerate(mods):
+        if isinstance(mod, kquant.FusedSlice):
+            fused = mod.fused  # type: ignore[attr-defined]
+            out = shared.get(id(fused))
+            if out is None:
+                out = shared[id(fused)] = fused.linear(x)
+            lo, hi = fused.bounds[mod.index]
+            outs[i] = out[..., lo:hi]
+        else:
+            outs[i] = mod(x)
+    return outs  # type: ignore[return-value]
+
+
+def _rows(t: torch.Tensor, width: int) -> tuple[torch.Tensor, int] | None:
+    """(t, its row stride) when ``t`` [B, T, width] is float32 rows of unit
+    column stride at a fixed row stride (a column slice of a contiguous
+    output), else None."""
+    if t.dtype != torch.float32 or t.stride(-1) != 1 or t.shape[-1] != width:
+        return None
+    b, n = t.shape[0], t.shape[1]
+    rs = t.stride(1)
+    if n > 1 and rs < width:
+        return None
+    if b > 1 and t.stride(0) != n * rs:
+        return None
+    return t, rs
+
+
+def fast_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, cache: Any = None, use_cache: bool | None = False,
+                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 **kwargs: Any) -> torch.Tensor:
+    """Qwen2DecoderLayer.forward with the small ops fused (see the module's doc)."""
+    if "past_key_values" in kwargs and cache is None:
+        cache = kwargs.pop("past_key_values")
+    x = hidden_states
+    if (x.dtype != torch.float32 or x.dim() != 3 or position_embeddings is None
+            or position_embeddings[0].dtype != torch.float32 or kwargs.get("output_attentions")):
+        return self._specdec_eager_forward(hidden_states, attention_mask=attention_mask,  # type: ignore[operator]
+                                           position_ids=position_ids, cache=cache, use_cache=use_cache,
+                                           position_embeddings=position_embeddings, **kwargs)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    lib = self._specdec_lib  # type: ignore[attr-defined]
+    attn = self.self_attn  # type: ignore[attr-defined]
+    mlp = self.mlp  # type: ignore[attr-defined]
+    ln1, ln2 = self.input_layernorm, self.post_attention_layernorm  # type: ignore[attr-defined]
+    b, t, _ = x.shape
+    d = attn.head_dim
+    _, y = rmsnorm(lib, x, ln1.weight, ln1.variance_epsilon)
+    q, k, v = _projections([attn.q_proj, attn.k_proj, attn.v_proj], y)
+    cos, sin = (c.expand(b, t, d).contiguous() for c in position_embeddings)
+    heads = []
+    for src, rotate in ((q, True), (k, True), (v, False)):
+        h = src.shape[-1] // d
+        rows = _rows(src, h * d)
+        if rows is None:
+            src = src.contiguous()
+            rows = (src, h * d)
+        out = torch.empty((b, h, t, d), dtype=torch.float32)
+        if rotate:
+            lib.kq_rope(rows[0].data_ptr(), rows[1], b, t, h, d, cos.data_ptr(), sin.data_ptr(), out.data_ptr())
+        else:
+            lib.kq_heads(rows[0].data_ptr(), rows[1], b, t, h, d, out.data_ptr())
+        heads.append(out)
+    qs, ks, vs = heads
+    if cache is not None:
+        ks, vs = cache.update(ks, vs, attn.layer_idx, kwargs=kwargs)
+    out = None
+    if (self._specdec_attention and attn.config._attn_implementation in C_ATTENTION_FOR  # type: ignore[attr-defined]
+            and attn.sliding_window is None and kwargs.get("position_bias") is None):
+        out = attention(lib, qs, ks, vs, attention_mask, attn.scaling)
+    if out is None:
+        from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
+
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
+        out, _ = interface(attn, qs, ks, vs, attention_mask, dropout=0.0, scaling=attn.scaling,
+                           sliding_window=attn.sliding_window, **kwargs)
+    o = attn.o_proj(out.reshape(b, t, -1))
+    h, y = rmsnorm(lib, x, ln2.weight, ln2.variance_epsilon, residual=o)
+    gate, up = _projections([mlp.gate_proj, mlp.up_proj], y)
+    act = torch.nn.functional.silu(gate).mul_(up)
+    h += mlp.down_proj(act)
+    return h
+
+
+def eligible(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` is a decoder layer ``fast_forward`` computes exactly
+    as its own forward (up to RMSNorm's sum order)."""
+    if type(layer).__name__ != "Qwen2DecoderLayer":
+        return False
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None:
+        return False
+    cfg = getattr(attn, "config", None)
+    if cfg is None or getattr(cfg, "hidden_act", None) != "silu" or type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+        return False
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        if type(norm).__name__ != "Qwen2RMSNorm" or norm.weight.dtype != torch.float32:
+            return False
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    kinds = (kquant.KQuantLinear, kquant.FusedSlice)
+    if not all(isinstance(m, kinds) for m in linears):
+        return False
+    return attn.head_dim % 2 == 0
+
+
+#: the attention implementations whose computation kq_attention replaces
+#: (softmax attention over the masked keys, no dropout)
+C_ATTENTION_FOR = ("sdpa", "eager", "specdec_sdpa")
+
+
+def install(model: torch.nn.Module, c_attention: bool = True) -> int:
+    """Switches every eligible decoder layer of ``model`` (kquant linear
+    layers) to ``fast_forward``, with ``kq_attention`` in place of the
+    model's attention function when ``c_attention`` (and the model runs one
+    of C_ATTENTION_FOR); returns how many layers."""
+    which = None
+    for mod in model.modules():
+        if isinstance(mod, kquant.KQuantLinear):
+            which = mod.which
+            break
+    if which is None:
+        return 0
+    n = 0
+    for mod in model.modules():
+        if eligible(mod) and not hasattr(mod, "_specdec_eager_forward"):
+            mod._specdec_eager_forward = mod.forward  # type: ignore[assignment]
+            mod._specdec_lib = _lib(which)  # type: ignore[assignment]
+            mod._specdec_attention = c_attention  # type: ignore[assignment]
+            mod.forward = types.MethodType(fast_forward, mod)  # type: ignore[method-assign]
+            n += 1
+    return n
+
+
+def uninstall(model: torch.nn.Module) -> int:
+    """Back to transformers' forward (for comparisons); returns how many layers."""
+    n = 0
+    for mod in model.modules():
+        if hasattr(mod, "_specdec_eager_forward"):
+            mod.forward = mod._specdec_eager_forward  # type: ignore[method-assign]
+            del mod._specdec_eager_forward
+            del mod._specdec_lib
+            del mod._specdec_attention
+            n += 1
+    return n

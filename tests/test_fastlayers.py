@@ -1,0 +1,232 @@
+"""The kquant decoder layer's fused small ops (target_service/fastlayers.py,
+kquant.c): RMSNorm to float32 rounding of torch's (its sum in its own fixed
+order), rotary embedding bit for bit as transformers', attention to float32
+rounding of SDPA; each of them the same bits for a row whatever the rows,
+the batch or the padding beside it and on both kernel builds; and a tiny
+quantized Qwen2 whose logits for a prompt equal, bit for bit, those of its
+one-token steps, its k-token passes and a left-padded batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from target_service import fastlayers, kquant, quant
+
+BUILDS = [b for b in ("avx512bf16", "avx2") if b == "avx2" or kquant.isa() == "avx512bf16"]
+pytestmark = pytest.mark.skipif(kquant.isa() is None or not kquant.available()[0],
+                                reason="kquant kernel unavailable (needs AVX2+FMA and a C compiler)")
+
+
+def lib(build: str):  # type: ignore[no-untyped-def]
+    return fastlayers._lib(build)
+
+
+def torch_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    n = Qwen2RMSNorm(x.shape[-1], eps=eps)
+    with torch.no_grad():
+        n.weight.copy_(w)
+        return n(x)
+
+
+# ------------------------------------------------------------------ RMSNorm
+@pytest.mark.parametrize("build", BUILDS)
+def test_rmsnorm_is_torchs_to_float32_rounding_and_adds_the_residual_exactly(build: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    x, r, w = torch.randn(9, 1536, generator=g) * 3, torch.randn(9, 1536, generator=g), torch.randn(1536, generator=g)
+    ref = torch_rmsnorm(x, w, 1e-6)
+    h, y = fastlayers.rmsnorm(lib(build), x, w, 1e-6)
+    assert h is x
+    # only the sum of squares is in another order: a few ulp of float32
+    assert ((y - ref).abs() <= 4e-7 * ref.abs() + 1e-30).all()
+    # negative control: the order differs from torch's, and the check sees it
+    assert not torch.equal(y, ref)
+    assert not ((y * (1 + 2e-6) - ref).abs() <= 4e-7 * ref.abs()).all()
+    h, y = fastlayers.rmsnorm(lib(build), x, w, 1e-6, residual=r)
+    assert torch.equal(h, x + r)  # the residual add: the same float32 sum as torch's
+    assert ((y - torch_rmsnorm(x + r, w, 1e-6)).abs() <= 4e-7 * y.abs() + 1e-30).all()
+
+
+def test_rmsnorm_rows_are_independent_and_the_same_on_both_builds() -> None:
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(12, 1536, generator=g), torch.randn(1536, generator=g)
+    outs = []
+    for build in BUILDS:
+        _, y = fastlayers.rmsnorm(lib(build), x, w, 1e-6)
+        for i in range(12):
+            assert torch.equal(fastlayers.rmsnorm(lib(build), x[i:i + 1], w, 1e-6)[1], y[i:i + 1])
+        outs.append(y)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+# ------------------------------------------------------------------- rotary
+@pytest.mark.parametrize("build", BUILDS)
+def test_rope_is_transformers_rotary_embedding_bit_for_bit(build: str) -> None:
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(3)
+    b, t, h, hkv, d = 2, 5, 6, 2, 64
+    qkv = torch.randn(b, t, (h + 2 * hkv) * d, generator=g)  # a fused projection's output
+    ang = torch.rand(b, t, d // 2, generator=g) * 100
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    q, k = qkv[..., :h * d], qkv[..., h * d:(h + hkv) * d]  # column slices: row stride (h + 2 hkv) d
+    ref_q, ref_k = apply_rotary_pos_emb(q.reshape(b, t, h, d).transpose(1, 2),
+                                        k.reshape(b, t, hkv, d).transpose(1, 2), cos, sin)
+    for src, heads, ref in ((q, h, ref_q), (k, hkv, ref_k)):
+        out = torch.empty(b, heads, t, d)
+        lib(build).kq_rope(src.data_ptr(), src.stride(1), b, t, heads, d, cos.data_ptr(), sin.data_ptr(),
+                           out.data_ptr())
+        assert torch.equal(out, ref)
+    # the values: the same columns, moved to [B, H, T, D]
+    v = qkv[..., (h + hkv) * d:]
+    out = torch.empty(b, hkv, t, d)
+    lib(build).kq_heads(v.data_ptr(), v.stride(1), b, t, hkv, d, out.data_ptr())
+    assert torch.equal(out, v.reshape(b, t, hkv, d).transpose(1, 2))
+
+
+# ---------------------------------------------------------------- attention
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    out = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
+                                                           scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)  # [B, T, H, D]
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("t,s", [(1, 37), (1, 300), (8, 300), (5, 5)])
+def test_attention_is_sdpa_to_float32_rounding(build: str, t: int, s: int) -> None:
+    g = torch.Generator().manual_seed(4)
+    b, h, hkv, d = 2, 12, 2, 128
+    q = torch.randn(b, h, t, d, generator=g) * 2
+    kbuf, vbuf = torch.randn(b, hkv, s + 40, d, generator=g), torch.randn(b, hkv, s + 40, d, generator=g)
+    k, v = kbuf[:, :, :s], vbuf[:, :, :s]  # views of a longer buffer, as a growing cache's
+    mask = torch.ones(b, 1, t, s, dtype=torch.bool).tril(s - t)
+    mask[1, :, :, :3] = False  # batch row 1: three padding positions
+    out = fastlayers.attention(lib(build), q, k, v, mask, d ** -0.5)
+    assert out is not None and out.shape == (b, t, h, d)
+    ref = sdpa(q, k, v, mask, d ** -0.5)
+    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    # the causal default (no mask) is the bottom-right causal mask
+    causal = fastlayers.attention(lib(build), q, k, v, None, d ** -0.5)
+    assert torch.equal(causal[0], out[0])
+
+
+def test_attention_rows_do_not_depend_on_the_rows_padding_or_build_beside_them() -> None:
+    g = torch.Generator().manual_seed(5)
+    b, h, hkv, d, t, s = 2, 12, 2, 128, 6, 90
+    q = torch.randn(b, h, t, d, generator=g)
+    k, v = torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+    pad = 11
+    mask = torch.ones(b, 1, t, s, dtype=torch.bool).tril(s - t)
+    mask[1, :, :, :pad] = False
+    outs = []
+    for build in BUILDS:
+        for threads in (1, 2):
+            kquant._library(build)[0].kq_set_threads(threads)  # type: ignore[union-attr]
+            out = fastlayers.attention(lib(build), q, k, v, mask, d ** -0.5)
+            assert out is not None
+            for i in range(t):  # each query row alone, over the keys it sees (a 1-token step)
+                s_i = s - t + i + 1
+                one = fastlayers.attention(lib(build), q[:, :, i:i + 1].contiguous(), k[:, :, :s_i], v[:, :, :s_i],
+                                           mask[:, :, i:i + 1, :s_i], d ** -0.5)
+                assert one is not None and torch.equal(one[:, 0], out[:, i]), (build, i)
+            # batch row 1 without its left padding
+            alone = fastlayers.attention(lib(build), q[1:].contiguous(), k[1:, :, pad:], v[1:, :, pad:], None,
+                                         d ** -0.5)
+            assert alone is not None and torch.equal(alone[0], out[1])
+            outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    kquant.set_threads(2)
+    # negative controls: a masked key's value changes nothing, an attended one changes the rows that see it
+    v2 = v.clone()
+    v2[1, :, 0] += 5.0  # padding of batch row 1
+    v2[0, :, s - 1] += 5.0  # the last key: seen by row t - 1 of batch row 0 only
+    changed = fastlayers.attention(lib(BUILDS[0]), q, k, v2, mask, d ** -0.5)
+    assert changed is not None
+    assert torch.equal(changed[1], outs[0][1]) and torch.equal(changed[0, :t - 1], outs[0][0, :t - 1])
+    assert not torch.equal(changed[0, t - 1], outs[0][0, t - 1])
+
+
+# ------------------------------------------------------- a tiny Qwen2, served
+@pytest.fixture(scope="module")
+def fast_model(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import TINY_CHARS
+    from tests.gguf_tiny import quantize_tiny_model
+    from tests.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("fast-layers")
+    hf = build_tiny_model(root / "hf", chars=TINY_CHARS, seed=23, hidden_size=256, intermediate_size=512,
+                          num_heads=4, num_kv_heads=2)
+    gguf = quantize_tiny_model(hf, root / "model.gguf")
+    m = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    m.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        counts = quant.apply_quant(m, "kquant", gguf)
+    assert counts["fast_layers"] == m.config.num_hidden_layers
+    return m, hf, gguf
+
+
+def test_fast_layers_compute_transformers_layers_to_float32_rounding(fast_model) -> None:  # type: ignore[no-untyped-def]
+    m, _, _ = fast_model
+    ids = torch.randint(1, 30, (1, 24), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        fast = m(input_ids=ids).logits
+        assert fastlayers.uninstall(m) == m.config.num_hidden_layers
+        try:
+            eager = m(input_ids=ids).logits
+        finally:
+            fastlayers.install(m)
+    assert (fast - eager).abs().max() <= 1e-4 * eager.abs().max()
+
+
+def test_fast_layers_give_a_row_the_same_logits_whatever_the_pass(fast_model) -> None:  # type: ignore[no-untyped-def]
+    """A prompt's logits bit for bit as its one-token steps', its k-token
+    passes' and a left-padded batch's (the rows of a step, a verify and a
+    batched verify are one computation)."""
+    from target_service import kv_adapter
+
+    m, _, _ = fast_model
+    ids = torch.randint(1, 30, (1, 24), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        full = m(input_ids=ids).logits[0]
+        for chunk in (1, 3, 8):
+            cache = kv_adapter.new_cache(m.config)
+            rows = [m(input_ids=ids[:, :6], cache=cache).logits[0]]
+            for i in range(6, 24, chunk):
+                rows.append(m(input_ids=ids[:, i:i + chunk], cache=cache).logits[0])
+            assert torch.equal(torch.cat(rows), full), chunk
+        # a batch: this prompt beside a longer one, left-padded by 5
+        other = torch.randint(1, 30, (1, 29), generator=torch.Generator().manual_seed(8))
+        batch = torch.cat([torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1), other])
+        attn = torch.ones_like(batch)
+        attn[0, :5] = 0
+        pos = (attn.cumsum(-1) - 1).clamp_min(0)
+        out = m(input_ids=batch, attention_mask=attn, position_ids=pos).logits
+        assert torch.equal(out[0, 5:], full)
+        assert torch.equal(out[1], m(input_ids=other).logits[0])
+        # negative control: a different token earlier changes the rows after it
+        ids2 = ids.clone()
+        ids2[0, 10] = (ids2[0, 10] % 29) + 1
+        again = m(input_ids=ids2).logits[0]
+        assert torch.equal(again[:10], full[:10]) and not torch.equal(again[10:], full[10:])
+
+
+def test_the_calibration_identity_names_the_layer_path() -> None:
+    from target_service.calibration import machine_identity
+
+    assert machine_identity(torch.device("cpu"))["layers"] == fastlayers.IDENTITY
+
+
+def test_apply_quant_can_leave_transformers_layers(fast_model) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    _, hf, gguf = fast_model
+    m = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        counts = quant.apply_quant(m, "kquant", gguf, fast_layers=False)
+    assert counts.get("fast_layers", 0) == 0
+    assert not any(hasattr(x, "_specdec_eager_forward") for x in m.modules())
