@@ -63,17 +63,28 @@ def main() -> int:
     p.add_argument("--rows", default="1,2,4,6,8,16")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prefetch", default="",
+                   help="kquant software-prefetch distances to compare, in super-blocks (e.g. 4,0); "
+                        "default: the kernel's own setting only")
     p.add_argument("--out", type=Path, default=Path("kquant-bench"))
     a = p.parse_args()
     rows = [int(r) for r in a.rows.split(",")]
     builds = [b for b in a.builds.split(",") if b] or [kquant.isa()]
+    prefetch = [int(d) for d in a.prefetch.split(",") if d]
     variants: dict[str, list] = {}
+    ahead: dict[str, tuple[str, int]] = {}  # kquant variant -> (build, prefetch distance)
     for backend in a.backends.split(","):
         for build in (builds if backend.startswith("kquant") else [None]):
             key = f"{backend}/{build}" if backend.startswith("kquant") else backend
             print(f"[kquant_bench] building {key}", file=sys.stderr, flush=True)
-            variants[key] = build_layers(a.gguf, backend, build)
+            layers = build_layers(a.gguf, backend, build)
             gc.collect()
+            if backend.startswith("kquant") and prefetch:
+                for d in prefetch:  # the same layers, another prefetch distance
+                    variants[f"{key}/prefetch{d}"] = layers
+                    ahead[f"{key}/prefetch{d}"] = (build, d)
+            else:
+                variants[key] = layers
     for build in builds:
         kquant._library(build)[0].kq_set_threads(a.threads)  # type: ignore[union-attr]
     times: dict[str, dict[int, list[float]]] = {k: {m: [] for m in rows} for k in variants}
@@ -85,6 +96,8 @@ def main() -> int:
             # workers spin for a while and would take the kernel's second
             # core: let them fall asleep first
             torch.set_num_threads(1 if key.startswith("kquant") else a.threads)
+            if key in ahead:
+                kquant.set_prefetch(ahead[key][1], ahead[key][0])
             time.sleep(0.3)
             for m in rows:
                 t0 = time.perf_counter()

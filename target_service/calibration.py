@@ -189,6 +189,9 @@ class CalibrationResult:
     # when a quantized pair is a candidate), and why pairs were not admissible
     fidelity: dict[str, dict[str, object]] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)
+    # "dtype/backend" -> kernel settings chosen by timing with the curve
+    # (kquant: {"prefetch": distance, "ms": ...}); the chosen pair's are in force
+    tuning: dict[str, dict[str, object]] = field(default_factory=dict)
 
     @property
     def curve(self) -> Curve:
@@ -219,8 +222,11 @@ def choose(
     measure: Callable[[Pair], Measured],
     cache: "CalibrationCache | None" = None,
     fidelity_needed: bool = False,
+    tunings: "dict[Pair, dict[str, object]] | None" = None,
 ) -> CalibrationResult:
     """Measures every pair (or takes them from ``cache``) and picks one.
+    ``tunings``: the kernel settings ``measure`` chose per pair (it fills the
+    dict); they are cached with the curve and come back from the cache.
     With ``fidelity_needed`` (a quantized pair is a candidate), a cached pair
     without a fidelity is measured again, and the quantized pairs outside the
     fidelity bound are not admissible (:func:`fidelity_admissible`)."""
@@ -235,7 +241,9 @@ def choose(
             log(logger, logging.INFO, "calibrating target", dtype=pair[0], backend=pair[1])
             got = measure(pair)
             if cache is not None:
-                cache.put(pair, got[0], got[1])
+                cache.put(pair, got[0], got[1], (tunings or {}).get(pair))
+        elif tunings is not None and cache is not None:
+            tunings[pair] = cache.get_tuning(pair)
         curves[pair] = got[0]
         if got[1] is not None:
             fidelity[pair] = got[1]
@@ -255,6 +263,7 @@ def choose(
         seconds=round(time.perf_counter() - t0, 2),
         fidelity={pair_key(p): f for p, f in fidelity.items()},
         excluded={pair_key(p): why for p, why in excluded.items()},
+        tuning={pair_key(p): t for p, t in (tunings or {}).items() if t},
     )
 
 
@@ -268,6 +277,7 @@ class CalibrationCache:
         self.path = Path(root) / f"{digest}.json"
         self._data: dict[str, Curve] | None = None
         self._fidelity: dict[str, dict[str, object]] = {}
+        self._tuning: dict[str, dict[str, object]] = {}
 
     def _load(self) -> dict[str, Curve]:
         if self._data is None:
@@ -277,6 +287,7 @@ class CalibrationCache:
                 if raw.get("identity") == json.loads(json.dumps(self.identity)):
                     self._data = {key: {int(k): float(v) for k, v in c.items()} for key, c in raw["curves"].items()}
                     self._fidelity = {key: dict(f) for key, f in (raw.get("fidelity") or {}).items()}
+                    self._tuning = {key: dict(t) for key, t in (raw.get("tuning") or {}).items()}
             except (OSError, ValueError, KeyError, AttributeError, TypeError):
                 pass
         return self._data
@@ -289,16 +300,24 @@ class CalibrationCache:
         curve = self.get(pair)
         return None if curve is None else (curve, self._fidelity.get(pair_key(pair)))
 
-    def put(self, pair: Pair, curve: Curve, fidelity: "dict[str, object] | None" = None) -> None:
+    def get_tuning(self, pair: Pair) -> dict[str, object]:
+        """The kernel settings measured with ``pair``'s curve ({} if none)."""
+        self._load()
+        return dict(self._tuning.get(pair_key(pair), {}))
+
+    def put(self, pair: Pair, curve: Curve, fidelity: "dict[str, object] | None" = None,
+            tuning: "dict[str, object] | None" = None) -> None:
         data = self._load()
         data[pair_key(pair)] = dict(curve)
         if fidelity is not None:
             self._fidelity[pair_key(pair)] = dict(fidelity)
+        if tuning:
+            self._tuning[pair_key(pair)] = dict(tuning)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"identity": self.identity, "curves": data, "fidelity": self._fidelity},
-                                      indent=1, sort_keys=True))
+            tmp.write_text(json.dumps({"identity": self.identity, "curves": data, "fidelity": self._fidelity,
+                                       "tuning": self._tuning}, indent=1, sort_keys=True))
             os.replace(tmp, self.path)
         except OSError as e:  # a read-only cache only costs a re-measure next start
             log(logger, logging.WARNING, "could not write the calibration cache", path=str(self.path), error=repr(e))
@@ -430,6 +449,21 @@ def machine_identity(device: "torch.device") -> dict[str, object]:
 CALIBRATION_FIDELITY_TOKENS = 256
 
 
+#: the backends whose kernel takes a setting chosen by timing (kquant.tune_prefetch)
+KQUANT_BACKENDS = ("kquant", "kquant-a8")
+
+
+def apply_tuning(backend: str, tuning: Mapping[str, object]) -> None:
+    """Puts the kernel settings chosen with ``backend``'s curve in force
+    (the kernel's defaults where none were measured: explicit flags without
+    calibration, or another backend)."""
+    if backend not in KQUANT_BACKENDS:
+        return
+    from target_service import kquant
+
+    kquant.set_prefetch(int(tuning.get("prefetch", kquant.DEFAULT_PREFETCH)))  # type: ignore[call-overload]
+
+
 def calibrate(
     hf_dir: Path,
     dtype: str,
@@ -507,7 +541,13 @@ def calibrate(
         if fidelity_needed and pair != ("float32", "eager"):
             ensure_reference(None)
         model = load_model(hf_dir, parse_dtype(pair[0]), pair[1], device, model_name, gguf_path)
-        curve = measure_forward_curve(model, device, CALIBRATION_KS, CALIBRATION_KV, budget_s)
+        def tune_kernel(forward: Callable[[int], None], reset: Callable[[], None]) -> None:
+            from target_service import kquant
+
+            tunings[pair] = kquant.tune_prefetch(forward, reset)
+
+        curve = measure_forward_curve(model, device, CALIBRATION_KS, CALIBRATION_KV, budget_s,
+                                      tune_kernel if pair[1] in KQUANT_BACKENDS else None)
         if fidelity_needed:
             from target_service import fidelity
 
@@ -517,15 +557,19 @@ def calibrate(
                                    len(ids), str(reference["digest"])).to_dict()  # type: ignore[arg-type]
         log(logger, logging.INFO, "calibrated target", dtype=pair[0], backend=pair[1],
             **{f"k{k}_ms": round(v, 1) for k, v in curve.items()},
+            **({"prefetch": tunings[pair]["prefetch"]} if pair in tunings else {}),
             **({"mean_kl": fid["mean_kl"], "top1": fid["top1_agreement"]} if fid else {}))
         kept["pair"], kept["model"] = pair, model
         return curve, fid
 
-    result = choose(pairs, measure_pair, cache, fidelity_needed)
+    tunings: dict[Pair, dict[str, object]] = {}
+    result = choose(pairs, measure_pair, cache, fidelity_needed, tunings)
     result.chosen_by = how
+    apply_tuning(result.backend, result.tuning.get(pair_key((result.dtype, result.backend)), {}))
     model = kept.get("model") if kept.get("pair") == (result.dtype, result.backend) else None
     kept.clear()
     log(logger, logging.INFO, "target numerics chosen", dtype=result.dtype, backend=result.backend,
         chosen_by=how, cached=result.cached, calibration_s=result.seconds, draft_ms=result.draft_ms,
+        tuning=result.tuning.get(pair_key((result.dtype, result.backend)), {}),
         scores=result.scores, table="\n" + result.table())
     return result, model  # type: ignore[return-value]

@@ -52,7 +52,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import statistics
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -123,6 +125,8 @@ def _library(which: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     dll.kq_linear_a8.argtypes = dll.kq_linear.argtypes
     dll.kq_set_threads.restype = ctypes.c_int
     dll.kq_set_threads.argtypes = [ctypes.c_int]
+    dll.kq_set_prefetch.restype = ctypes.c_int
+    dll.kq_set_prefetch.argtypes = [ctypes.c_int]
     return dll, ""
 
 
@@ -137,6 +141,56 @@ def set_threads(threads: int) -> int:
     if lib is None:
         raise RuntimeError(f"the kquant kernel is not available: {why}")
     return int(lib.kq_set_threads(max(1, int(threads))))
+
+
+#: the kernel's own software-prefetch distance (super-blocks ahead)
+DEFAULT_PREFETCH = 4
+
+
+def set_prefetch(ahead: int, which: str | None = None) -> int:
+    """How many super-blocks ahead the kernel fetches its weights in
+    software (0: the hardware prefetchers alone); returns the setting in
+    force. It changes timing only, never a result bit (tested). Calibration
+    measures both and keeps the faster one per machine: it paid on Zen 5 and
+    cost ~7 % on Zen 4 (docs/benchmarks.md)."""
+    lib, why = _library(which)
+    if lib is None:
+        raise RuntimeError(f"the kquant kernel is not available: {why}")
+    return int(lib.kq_set_prefetch(int(ahead)))
+
+
+def tune_prefetch(forward: "Callable[[int], None]", reset: "Callable[[], None]", which: str | None = None,
+                  candidates: tuple[int, ...] = (DEFAULT_PREFETCH, 0), ks: tuple[int, ...] = (1, 8),
+                  rounds: int = 5) -> dict[str, object]:
+    """Times ``forward(k)`` (a model pass; ``reset()`` after each, untimed)
+    under each software-prefetch distance, interleaved round by round so a
+    slow spell of the machine hits them alike, and leaves the fastest in
+    force: the lowest sum over ``ks`` of the median ms. Returns
+    {"prefetch": chosen, "ms": {distance: {k: median ms}}}."""
+    times: dict[int, dict[int, list[float]]] = {d: {k: [] for k in ks} for d in candidates}
+    for k in ks:  # warm-up
+        forward(k)
+        reset()
+    for _ in range(rounds):
+        for d in candidates:
+            set_prefetch(d, which)
+            for k in ks:
+                t0 = time.perf_counter()
+                forward(k)
+                times[d][k].append((time.perf_counter() - t0) * 1e3)
+                reset()
+    med = {d: {k: round(statistics.median(v), 3) for k, v in per.items()} for d, per in times.items()}
+    best = min(candidates, key=lambda d: (sum(med[d].values()), candidates.index(d)))
+    set_prefetch(best, which)
+    return {"prefetch": best, "ms": {str(d): {str(k): v for k, v in m.items()} for d, m in med.items()}}
+
+
+def prefetch(which: str | None = None) -> int:
+    """The software-prefetch distance in force."""
+    lib, why = _library(which)
+    if lib is None:
+        raise RuntimeError(f"the kquant kernel is not available: {why}")
+    return int(lib.kq_set_prefetch(-1))
 
 
 # ------------------------------------------------------- weight memory

@@ -10,7 +10,7 @@ import inspect
 import logging
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -94,11 +94,14 @@ def output_vocab_size(model: torch.nn.Module) -> int:
 
 @torch.inference_mode()
 def measure_forward_curve(
-    model: torch.nn.Module, device: torch.device, ks: Sequence[int], kv_tokens: int, budget_s: float = 30.0
+    model: torch.nn.Module, device: torch.device, ks: Sequence[int], kv_tokens: int, budget_s: float = 30.0,
+    tune: "Callable[[Callable[[int], None], Callable[[], None]], object] | None" = None,
 ) -> dict[int, float]:
     """t(k) in ms: one forward pass of k new tokens behind ``kv_tokens`` of
     KV cache, as a 1-token step or a (k-1)-token verify runs it (the LM head
-    on the last k rows, the cache cropped back after every pass)."""
+    on the last k rows, the cache cropped back after every pass). ``tune``,
+    when given, runs first with the same ``forward(k)`` and ``reset()``
+    (a kernel setting chosen by timing, e.g. kquant's prefetch distance)."""
     from target_service.calibration import measure_curve
 
     vocab = output_vocab_size(model)
@@ -117,4 +120,6 @@ def measure_forward_curve(
     def reset() -> None:
         kv.drop_last(cache, kv.length(cache) - kv_tokens)
 
+    if tune is not None:
+        tune(forward, reset)
     return measure_curve(forward, reset, ks, budget_s=budget_s)

@@ -147,6 +147,30 @@ def test_kquant_rows_are_independent_of_the_rows_beside_them(build: str, kind: s
     assert torch.equal(torch.cat([lin(x[:7]), lin(x[7:])]), alone)
 
 
+@needs_kernel
+@pytest.mark.parametrize("acts", kquant.ACTS)
+@pytest.mark.parametrize("build", BUILDS)
+def test_kquant_prefetch_distance_changes_no_bit(build: str, acts: str) -> None:
+    """The software-prefetch distance that calibration chooses per machine
+    is timing only: every distance gives the same bits (Q4_K and Q6_K, 1-9
+    rows), and the setting reads back as set."""
+    lins = [kquant.KQuantLinear(decode(random_blocks(kind, 40, 1024, seed=13), kind, 40, 1024), None, build, acts)
+            for kind in ("Q4_K", "Q6_K")]
+    x = torch.randn(9, 1024)
+    before = kquant.prefetch(build)
+    try:
+        kquant.set_prefetch(kquant.DEFAULT_PREFETCH, build)
+        want = [lin(x[:m]) for lin in lins for m in (1, 4, 9)]
+        for ahead in (0, 1, 16):
+            assert kquant.set_prefetch(ahead, build) == ahead
+            assert kquant.prefetch(build) == ahead
+            got = [lin(x[:m]) for lin in lins for m in (1, 4, 9)]
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), f"prefetch {ahead}"
+        assert kquant.set_prefetch(99, build) == 16  # clamped
+    finally:
+        kquant.set_prefetch(before, build)
+
+
 def quantize_a8(x: torch.Tensor) -> torch.Tensor:
     """The a8 kernel's input, in float64: each lane of 16 consecutive
     elements as int8 codes round(x · 127 / max|x|) (half to even) times its
@@ -393,9 +417,18 @@ def test_calibration_measures_fidelity_and_reports_it(quant_model: tuple[Path, P
     assert res.fidelity["float32/eager"]["mean_kl"] == 0.0
     assert res.fidelity["bfloat16/kquant"]["top1_agreement"] > 0.9
     assert f"{res.dtype}/{res.backend}" not in res.excluded
+    # the kquant pairs chose their prefetch distance by timing, and it is cached with the curve
+    assert res.tuning["bfloat16/kquant"]["prefetch"] in (kquant.DEFAULT_PREFETCH, 0)
+    assert set(res.tuning["bfloat16/kquant"]["ms"]) == {str(kquant.DEFAULT_PREFETCH), "0"}
+    assert "float32/eager" not in res.tuning
+    kquant.set_prefetch(7)  # whatever is in force before a cached start
     again, _ = cal.calibrate(hf, "auto", "auto", torch.device("cpu"), tmp_path, "tiny-quant", budget_s=5,
                              gguf_path=gguf)
-    assert again.cached and again.fidelity == res.fidelity
+    assert again.cached and again.fidelity == res.fidelity and again.tuning == res.tuning
+    chosen = again.tuning.get(f"{again.dtype}/{again.backend}", {})
+    assert kquant.prefetch() == chosen.get("prefetch", kquant.DEFAULT_PREFETCH if again.backend in
+                                           cal.KQUANT_BACKENDS else 7)
+    kquant.set_prefetch(kquant.DEFAULT_PREFETCH)
 
 
 @needs_kernel
