@@ -351,11 +351,19 @@ def fid(kl: float, top1: float) -> dict[str, float]:
 @pytest.mark.parametrize("quant_fid,chosen", [
     (fid(3e-5, 0.998), ("bfloat16", "kquant")),   # within the bound: the fastest wins
     (fid(6e-4, 0.990), ("bfloat16", "packed")),   # mean KL above the bf16 pair's: never chosen by auto
-    (fid(1e-4, 0.980), ("bfloat16", "packed")),   # top-1 agreement too far below
+    (fid(1e-4, 0.975), ("bfloat16", "packed")),   # top-1 agreement too far below
     (None, ("bfloat16", "packed")),               # not measured: not admissible
+    # over 256 positions one flip is 0.39 points: up to two flips below are the sample's resolution...
+    (fid(3e-5, 0.987 - 2 / 256), ("bfloat16", "kquant")),
+    (fid(3e-5, 0.987 - 3 / 256), ("bfloat16", "packed")),  # ...three are not
+    ({**fid(3e-5, 0.990), "decisive_disagreements": 1}, ("bfloat16", "packed")),  # more decisive ones than bf16
 ])
 def test_auto_chooses_a_quantized_pair_only_within_the_fidelity_bound(quant_fid, chosen) -> None:  # type: ignore[no-untyped-def]
     from target_service import calibration as cal
+    from target_service import fidelity
+
+    # over 2,048 positions (specdec fidelity) the tolerance is TOP1_BOUND itself
+    assert fidelity.top1_tolerance(2048) == fidelity.TOP1_BOUND and fidelity.top1_tolerance(256) == 2 / 256
 
     pairs = [("bfloat16", "packed"), ("bfloat16", "kquant")]
     measured = {("bfloat16", "packed"): (SLOW, BF16_FID), ("bfloat16", "kquant"): (FLAT, quant_fid)}
