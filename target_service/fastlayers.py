@@ -43,6 +43,21 @@ property of the backend: IDENTITY (and the kquant.c source digest) are part
 of the calibration cache's identity, so a calibration measured with
 transformers' layers is not reused.
 
+Two calls per layer. ``layer_forward`` (the default) runs the same
+routines from two C calls around the cache's update, which stays in
+Python: ``kq_layer_pre`` (input RMSNorm, the q/k/v kernel passes, rope,
+heads) and ``kq_layer_post`` (attention, o_proj, residual add and
+post-attention RMSNorm, the gate/up passes, SiLU·up, down_proj, the last
+residual add), with the layer's constants in one ``kq_layer_t`` filled at
+install time (``plan``). The same routines on the same inputs give the same
+bits; ``kq_silu_mul`` is torch's vectorized float32 ``silu(gate).mul_(up)``
+bit for bit (SLEEF's expf, then the division; checked over every float32
+input), so it is used only where torch runs that loop over whole rows (the
+MLP width a multiple of 32, and one torch thread or a pass below torch's
+grain size, where a thread's range could start mid-row); anything else
+runs ``fast_forward``. ``install(two_calls=False)`` keeps ``fast_forward``
+(for comparisons).
+
 Only ``Qwen2DecoderLayer`` with everything it expects (SiLU MLP, RMSNorm,
 rotary embedding, float32 activations, kquant projections) is switched; a
 call the fast path does not handle (another dtype, output attentions) runs
@@ -60,7 +75,7 @@ import torch
 
 from target_service import kquant
 
-IDENTITY = "fused-layers-1"  # part of the calibration cache's identity: bump when the numerics or timing can change
+IDENTITY = "fused-layers-2"  # part of the calibration cache's identity: bump when the numerics or timing can change
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -359,9 +374,13 @@ def _mask_args(mask: torch.Tensor | None, b: int, t: int, s: int) -> tuple[int |
     return args
 
 
-def _rope_args(pe: tuple[torch.Tensor, torch.Tensor], b: int, t: int, d: int) -> tuple[int, int, int]:
+def _pass_args(pe: tuple[torch.Tensor, torch.Tensor], b: int, t: int, d: int,
+               config: Any) -> tuple[int, int, int, bool]:
+    """The rotary tables' kernel arguments (cos, sin, batch stride) and
+    whether the model runs an attention kq_attention replaces: once per
+    forward pass (config attribute reads cost microseconds each)."""
     memo = _rope_memo[0]
-    if memo is not None and memo[0] is pe and memo[1] == (b, t, d):
+    if memo is not None and memo[0] is pe and memo[1] == (b, t, d) and memo[4] is config:
         return memo[2]
     cos, sin = pe
     held: tuple[Any, ...] = ()
@@ -371,8 +390,8 @@ def _rope_args(pe: tuple[torch.Tensor, torch.Tensor], b: int, t: int, d: int) ->
     else:
         cos, sin = (c.expand(b, t, d).contiguous() for c in pe)
         held, csb = (cos, sin), t * d
-    args = (cos.data_ptr(), sin.data_ptr(), csb)
-    _rope_memo[0] = (pe, (b, t, d), args, held)
+    args = (cos.data_ptr(), sin.data_ptr(), csb, config._attn_implementation in C_ATTENTION_FOR)
+    _rope_memo[0] = (pe, (b, t, d), args, held, config)
     return args
 
 
@@ -393,18 +412,17 @@ def layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_
     if (x.dtype != torch.float32 or x.dim() != 3 or position_embeddings is None
             or position_embeddings[0].dtype != torch.float32 or kwargs.get("output_attentions")
             or not self._specdec_attention  # type: ignore[attr-defined]
-            or attn.config._attn_implementation not in C_ATTENTION_FOR or attn.sliding_window is not None
-            or kwargs.get("position_bias") is not None):
+            or attn.sliding_window is not None or kwargs.get("position_bias") is not None):
         return fast_forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                             cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
     b, t, _ = x.shape
-    if b * t * p.inter >= _TORCH_GRAIN and torch.get_num_threads() > 1:
+    d = p.D
+    cos, sin, csb, c_attention = _pass_args(position_embeddings, b, t, d, attn.config)
+    if not c_attention or (b * t * p.inter >= _TORCH_GRAIN and torch.get_num_threads() > 1):
         return fast_forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                             cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
     lib = self._specdec_lib  # type: ignore[attr-defined]
     x = x.contiguous()
-    d = p.D
-    cos, sin, csb = _rope_args(position_embeddings, b, t, d)
     qs = torch.empty((b, p.H, t, d), dtype=torch.float32)
     ks = torch.empty((b, p.Hkv, t, d), dtype=torch.float32)
     vs = torch.empty((b, p.Hkv, t, d), dtype=torch.float32)
@@ -414,13 +432,14 @@ def layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_
         ks, vs = cache.update(ks, vs, attn.layer_idx, kwargs=kwargs)
     s = ks.shape[2] if ks.dim() == 4 else -1
     margs = _mask_args(attention_mask, b, t, s)
-    if (margs is None or ks.dtype != torch.float32 or vs.dtype != torch.float32 or ks.stride(-1) != 1
-            or vs.stride(-1) != 1 or ks.shape != (b, p.Hkv, s, d) or vs.shape != ks.shape):
+    kst, vst = ks.stride(), vs.stride()
+    if (margs is None or ks.dtype != torch.float32 or vs.dtype != torch.float32 or kst[-1] != 1
+            or vst[-1] != 1 or ks.shape != (b, p.Hkv, s, d) or vs.shape != ks.shape):
         return _rest(self, lib, x, qs, ks, vs, attention_mask, kwargs)
     h = torch.empty_like(x)
-    rc = lib.kq_layer_post(p.ptr, x.data_ptr(), b, t, qs.data_ptr(), ks.data_ptr(), ks.stride(0), ks.stride(1),
-                           ks.stride(2), vs.data_ptr(), vs.stride(0), vs.stride(1), vs.stride(2), s, margs[0],
-                           margs[1], margs[2], margs[3], h.data_ptr())
+    rc = lib.kq_layer_post(p.ptr, x.data_ptr(), b, t, qs.data_ptr(), ks.data_ptr(), kst[0], kst[1], kst[2],
+                           vs.data_ptr(), vst[0], vst[1], vst[2], s, margs[0], margs[1], margs[2], margs[3],
+                           h.data_ptr())
     if rc == 2:
         return _rest(self, lib, x, qs, ks, vs, attention_mask, kwargs)
     if rc:
