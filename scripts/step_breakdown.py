@@ -34,10 +34,15 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=100)
     p.add_argument("--k", default="1", help="comma-separated rows per verify (1 = a plain step)")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--layers", default="fused",
-                   help="comma-separated decoder-layer paths to compare in one process, interleaved: fused "
-                        "(target_service/fastlayers.py, the kquant default), fused-sdpa (the same with the "
-                        "model's SDPA) and/or eager (transformers' forward)")
+    p.add_argument("--layers", default="two-calls",
+                   help="comma-separated decoder-layer paths to compare in one process, interleaved: two-calls "
+                        "(target_service/fastlayers.py's layer_forward, the kquant default: two C calls per "
+                        "layer, whose linear layers the hooks cannot see), fused (fast_forward: a C call per small "
+                        "op, the linear layers from Python), fused-sdpa (the same with the model's SDPA) and/or "
+                        "eager (transformers' forward)")
+    p.add_argument("--linear-hooks", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the linear layers (hooks on each call: a few microseconds each, on the paths "
+                        "that call them from Python)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each (layers, k) keeps its best")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
@@ -74,7 +79,7 @@ def main() -> int:
             timed(mod, "decoder layers")
         elif name.endswith("lm_head"):
             timed(mod, "lm head")
-        elif kind in linear_types and not any(c for c in mod.children()):
+        elif a.linear_hooks and kind in linear_types and not any(c for c in mod.children()):
             timed(mod, "linear layers")
 
     out = eng.prefill(list(range(1000, 1000 + a.prompt_tokens)), SamplingConfig(), True)
@@ -89,7 +94,9 @@ def main() -> int:
     def set_layers(mode: str) -> None:
         fastlayers.uninstall(eng.model)
         if mode in ("fused", "fused-sdpa"):
-            fastlayers.install(eng.model, c_attention=mode == "fused")
+            fastlayers.install(eng.model, c_attention=mode == "fused", two_calls=False)
+        elif mode == "two-calls":
+            fastlayers.install(eng.model)
         elif mode != "eager":
             raise SystemExit(f"unknown --layers {mode!r}")
 
@@ -122,7 +129,10 @@ def main() -> int:
             "step_ms": round(best["step"], 2),
             "linear_ms": round(best.get("linear layers", 0.0), 2),
             "layers_other_ms": round(best.get("decoder layers", 0.0) - best.get("linear layers", 0.0), 2),
+            "decoder_layers_ms": round(best.get("decoder layers", 0.0), 2),
         }
+        if mode == "two-calls" or not a.linear_hooks:  # the linear layers run inside the C calls, unseen
+            row["linear_ms"] = row["layers_other_ms"] = None
         row["lm_head_ms"] = round(best.get("lm head", 0.0), 2)
         # the final norm, the greedy choice, logit gaps, the engine's own bookkeeping
         row["outside_layers_ms"] = round(best["step"] - best.get("decoder layers", 0.0) - best.get("lm head", 0.0), 2)
@@ -145,10 +155,10 @@ def main() -> int:
     (a.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     md = [f"# One decoding step, {r.name} {a.dtype}/{a.backend}, {a.prompt_tokens}-token context", "",
           f"CPU: {info.model}; torch {torch.__version__}", "",
-          "| layers | k | step ms | linear layers | rest of the decoder layers | LM head | the rest |",
-          "|---|---|---|---|---|---|---|"]
-    md += [f"| {x['layers']} | {x['k']} | {x['step_ms']} | {x['linear_ms']} | {x['layers_other_ms']} | {x['lm_head_ms']} | "
-           f"{x['outside_layers_ms']} |" for x in rows]
+          "| layers | k | step ms | decoder layers | linear layers | rest of the decoder layers | LM head | the rest |",
+          "|---|---|---|---|---|---|---|---|"]
+    md += [f"| {x['layers']} | {x['k']} | {x['step_ms']} | {x['decoder_layers_ms']} | {x['linear_ms'] or '-'} | "
+           f"{x['layers_other_ms'] or '-'} | {x['lm_head_ms']} | {x['outside_layers_ms']} |" for x in rows]
     for x in rows:
         md += ["", f"Top eager ops, {x['layers']} layers, k = {x['k']} (self CPU, per step):", "", "| op | ms | calls |", "|---|---|---|"]
         md += [f"| `{o['op']}` | {o['ms_per_step']} | {o['calls_per_step']} |" for o in x["top_eager_ops"]]
@@ -163,8 +173,12 @@ def main() -> int:
         labels = [f"{x['layers']} k={x['k']}" for x in rows]
         bottom = [0.0] * len(rows)
         for key, label in (("linear_ms", "linear layers"), ("layers_other_ms", "rest of the layers"),
+                           ("decoder_layers_ms", "decoder layers (not split)"),
                            ("lm_head_ms", "LM head"), ("outside_layers_ms", "the rest")):
-            vals = [x[key] for x in rows]
+            if key == "decoder_layers_ms":  # only where the split is not known
+                vals = [x[key] if x["linear_ms"] is None else 0.0 for x in rows]
+            else:
+                vals = [x[key] or 0.0 for x in rows]
             ax.bar(labels, vals, bottom=bottom, label=label)
             bottom = [b + v for b, v in zip(bottom, vals)]
         ax.set_ylabel("ms per step")

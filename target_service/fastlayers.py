@@ -43,6 +43,21 @@ property of the backend: IDENTITY (and the kquant.c source digest) are part
 of the calibration cache's identity, so a calibration measured with
 transformers' layers is not reused.
 
+Two calls per layer. ``layer_forward`` (the default) runs the same
+routines from two C calls around the cache's update, which stays in
+Python: ``kq_layer_pre`` (input RMSNorm, the q/k/v kernel passes, rope,
+heads) and ``kq_layer_post`` (attention, o_proj, residual add and
+post-attention RMSNorm, the gate/up passes, SiLU·up, down_proj, the last
+residual add), with the layer's constants in one ``kq_layer_t`` filled at
+install time (``plan``). The same routines on the same inputs give the same
+bits; ``kq_silu_mul`` is torch's vectorized float32 ``silu(gate).mul_(up)``
+bit for bit (SLEEF's expf, then the division; checked over every float32
+input), so it is used only where torch runs that loop over whole rows (the
+MLP width a multiple of 32, and one torch thread or a pass below torch's
+grain size, where a thread's range could start mid-row); anything else
+runs ``fast_forward``. ``install(two_calls=False)`` keeps ``fast_forward``
+(for comparisons).
+
 Only ``Qwen2DecoderLayer`` with everything it expects (SiLU MLP, RMSNorm,
 rotary embedding, float32 activations, kquant projections) is switched; a
 call the fast path does not handle (another dtype, output attentions) runs
@@ -60,7 +75,7 @@ import torch
 
 from target_service import kquant
 
-IDENTITY = "fused-layers-1"  # part of the calibration cache's identity: bump when the numerics or timing can change
+IDENTITY = "fused-layers-2"  # part of the calibration cache's identity: bump when the numerics or timing can change
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -80,6 +95,12 @@ def _lib(which: str) -> ctypes.CDLL:
     lib.kq_attention.restype = ctypes.c_int
     lib.kq_attention.argtypes = [_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _I, _I, _I, _I, _I,
                                  _P, _I, _I, _I, ctypes.c_int, ctypes.c_float, _P]
+    lib.kq_silu_mul.restype = None
+    lib.kq_silu_mul.argtypes = [_P, _I, _P, _I, _I, _I, _P]
+    lib.kq_layer_pre.restype = ctypes.c_int
+    lib.kq_layer_pre.argtypes = [_P, _P, _I, _I, _P, _P, _I, _P, _P, _P]
+    lib.kq_layer_post.restype = ctypes.c_int
+    lib.kq_layer_post.argtypes = [_P, _P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _I, _P]
     return lib
 
 
@@ -177,12 +198,9 @@ def fast_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_m
         return self._specdec_eager_forward(hidden_states, attention_mask=attention_mask,  # type: ignore[operator]
                                            position_ids=position_ids, cache=cache, use_cache=use_cache,
                                            position_embeddings=position_embeddings, **kwargs)
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     lib = self._specdec_lib  # type: ignore[attr-defined]
     attn = self.self_attn  # type: ignore[attr-defined]
-    mlp = self.mlp  # type: ignore[attr-defined]
-    ln1, ln2 = self.input_layernorm, self.post_attention_layernorm  # type: ignore[attr-defined]
+    ln1 = self.input_layernorm  # type: ignore[attr-defined]
     b, t, _ = x.shape
     d = attn.head_dim
     _, y = rmsnorm(lib, x, ln1.weight, ln1.variance_epsilon)
@@ -204,6 +222,18 @@ def fast_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_m
     qs, ks, vs = heads
     if cache is not None:
         ks, vs = cache.update(ks, vs, attn.layer_idx, kwargs=kwargs)
+    return _rest(self, lib, x, qs, ks, vs, attention_mask, kwargs)
+
+
+def _rest(self: torch.nn.Module, lib: ctypes.CDLL, x: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor,
+          vs: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> torch.Tensor:
+    """fast_forward from the queries and the cache's keys and values on."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attn = self.self_attn  # type: ignore[attr-defined]
+    mlp = self.mlp  # type: ignore[attr-defined]
+    ln2 = self.post_attention_layernorm  # type: ignore[attr-defined]
+    b, t, _ = x.shape
     out = None
     if (self._specdec_attention and attn.config._attn_implementation in C_ATTENTION_FOR  # type: ignore[attr-defined]
             and attn.sliding_window is None and kwargs.get("position_bias") is None):
@@ -219,6 +249,201 @@ def fast_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_m
     gate, up = _projections([mlp.gate_proj, mlp.up_proj], y)
     act = torch.nn.functional.silu(gate).mul_(up)
     h += mlp.down_proj(act)
+    return h
+
+
+# ------------------------------------------------- the layer in two C calls
+class _Lin(ctypes.Structure):
+    """kquant.c's kq_lin_t: one kernel pass (a KQuantLinear's constants)."""
+    _fields_ = [("kind", _I), ("a8", _I), ("K", _I), ("N", _I), ("w", _P), ("bias", _P)]
+
+
+class _Layer(ctypes.Structure):
+    """kquant.c's kq_layer_t: a decoder layer's constants for kq_layer_pre / kq_layer_post."""
+    _fields_ = [("hidden", _I), ("H", _I), ("Hkv", _I), ("D", _I), ("inter", _I), ("ln1", _P), ("ln2", _P),
+                ("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("scale", ctypes.c_float),
+                ("unused", ctypes.c_float), ("nqkv", _I), ("qkv", _Lin * 3), ("qkv_call", _I * 3),
+                ("qkv_off", _I * 3), ("o", _Lin), ("ngu", _I), ("gu", _Lin * 2), ("gu_call", _I * 2),
+                ("gu_off", _I * 2), ("down", _Lin)]
+
+
+def _lin(mod: kquant.KQuantLinear) -> _Lin:
+    return _Lin(kquant.KINDS[mod.kind], int(mod.acts == "a8"), mod.in_features, mod.out_features,
+                mod.packed.data_ptr(), None if mod.bias is None else mod.bias.data_ptr())
+
+
+def _passes(mods: list[torch.nn.Module]) -> tuple[list[kquant.KQuantLinear], list[int], list[int]]:
+    """The kernel passes that compute ``mods`` (one per fused projection, as
+    _projections), and each module's pass and first column in its output."""
+    passes: list[kquant.KQuantLinear] = []
+    calls, offs = [], []
+    for mod in mods:
+        if isinstance(mod, kquant.FusedSlice):
+            lin, off = mod.fused.linear, mod.fused.bounds[mod.index][0]  # type: ignore[attr-defined]
+        else:
+            lin, off = mod, 0
+        if not any(p is lin for p in passes):
+            passes.append(lin)  # type: ignore[arg-type]
+        calls.append(next(i for i, p in enumerate(passes) if p is lin))
+        offs.append(off)
+    return passes, calls, offs
+
+
+#: torch runs silu over a row with its vectorized loop (kq_silu_mul's
+#: arithmetic) when the row is a multiple of twice its vector width (32
+#: floats covers AVX-512 and AVX2), and on one thread or below its grain
+#: size (at::internal::GRAIN_SIZE: above it, with several threads, a
+#: thread's range can start mid-row and torch computes its odd elements
+#: with its scalar expf)
+_SILU_ALIGN = 32
+_TORCH_GRAIN = 32768
+
+
+class _Plan:
+    """A layer's constants for the two-call path, pinned at install time."""
+
+    __slots__ = ("struct", "ptr", "hidden", "H", "Hkv", "D", "inter", "tensors")
+
+    def __init__(self, layer_struct: _Layer, tensors: list[torch.Tensor]) -> None:
+        self.struct = layer_struct
+        self.ptr = ctypes.addressof(layer_struct)
+        self.hidden, self.H, self.Hkv = layer_struct.hidden, layer_struct.H, layer_struct.Hkv
+        self.D, self.inter = layer_struct.D, layer_struct.inter
+        self.tensors = tensors  # the weights the struct points into, held
+
+
+def plan(layer: torch.nn.Module) -> _Plan | None:
+    """The two-call path's constants for an eligible layer, or None where
+    it does not apply (a head size kq_attention does not take, an MLP width
+    torch's silu would not run vectorized over)."""
+    attn, mlp = layer.self_attn, layer.mlp  # type: ignore[attr-defined]
+    d = attn.head_dim
+    if d % 16 or d > 256:
+        return None
+    qkv, qcall, qoff = _passes([attn.q_proj, attn.k_proj, attn.v_proj])
+    gu, gcall, goff = _passes([mlp.gate_proj, mlp.up_proj])
+    if len(qkv) > 3 or len(gu) > 2 or not isinstance(attn.o_proj, kquant.KQuantLinear) \
+            or not isinstance(mlp.down_proj, kquant.KQuantLinear):
+        return None
+    hidden = attn.o_proj.out_features
+    h, hkv = attn.q_proj.out_features // d, attn.k_proj.out_features // d
+    inter = mlp.gate_proj.out_features
+    if inter % _SILU_ALIGN or attn.v_proj.out_features != hkv * d or mlp.up_proj.out_features != inter \
+            or h % hkv or attn.o_proj.in_features != h * d or mlp.down_proj.in_features != inter:
+        return None
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm  # type: ignore[attr-defined]
+    if any(not t.weight.is_contiguous() for t in (ln1, ln2)):
+        return None
+    st = _Layer()
+    st.hidden, st.H, st.Hkv, st.D, st.inter = hidden, h, hkv, d, inter
+    st.ln1, st.ln2 = ln1.weight.data_ptr(), ln2.weight.data_ptr()
+    st.eps1, st.eps2, st.scale = ln1.variance_epsilon, ln2.variance_epsilon, attn.scaling
+    st.nqkv, st.ngu = len(qkv), len(gu)
+    for i, p in enumerate(qkv):
+        st.qkv[i] = _lin(p)
+    for i in range(3):
+        st.qkv_call[i], st.qkv_off[i] = qcall[i], qoff[i]
+    for i, p in enumerate(gu):
+        st.gu[i] = _lin(p)
+    for i in range(2):
+        st.gu_call[i], st.gu_off[i] = gcall[i], goff[i]
+    st.o, st.down = _lin(attn.o_proj), _lin(mlp.down_proj)
+    tensors = [ln1.weight, ln2.weight] + [m.packed for m in qkv + gu + [attn.o_proj, mlp.down_proj]]
+    tensors += [m.bias for m in qkv + gu + [attn.o_proj, mlp.down_proj] if m.bias is not None]
+    return _Plan(st, tensors)
+
+
+# the last mask's and rotary tables' kernel arguments: every layer of a
+# forward pass gets the same tensors (held here, so that their identity is not reused)
+_mask_memo: list[Any] = [None]
+_rope_memo: list[Any] = [None]
+
+
+def _mask_args(mask: torch.Tensor | None, b: int, t: int, s: int) -> tuple[int | None, int, int, int] | None:
+    memo = _mask_memo[0]
+    if memo is not None and memo[0] is mask and memo[1] == (b, t, s):
+        return memo[2]
+    if mask is None:
+        args: tuple[int | None, int, int, int] | None = (None, 0, 0, 0)
+    elif mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2:] != (t, s) \
+            or mask.shape[0] not in (1, b):
+        args = None
+    else:
+        args = (mask.data_ptr(), mask.stride(0) if mask.shape[0] == b else 0, mask.stride(2), mask.stride(3))
+    _mask_memo[0] = (mask, (b, t, s), args)
+    return args
+
+
+def _pass_args(pe: tuple[torch.Tensor, torch.Tensor], b: int, t: int, d: int,
+               config: Any) -> tuple[int, int, int, bool]:
+    """The rotary tables' kernel arguments (cos, sin, batch stride) and
+    whether the model runs an attention kq_attention replaces: once per
+    forward pass (config attribute reads cost microseconds each)."""
+    memo = _rope_memo[0]
+    if memo is not None and memo[0] is pe and memo[1] == (b, t, d) and memo[4] is config:
+        return memo[2]
+    cos, sin = pe
+    held: tuple[Any, ...] = ()
+    if cos.dim() == 3 and cos.shape == sin.shape and cos.shape[1:] == (t, d) and cos.shape[0] in (1, b) \
+            and cos.stride() == sin.stride() and cos.stride(1) == d and cos.stride(2) == 1:
+        csb = cos.stride(0) if cos.shape[0] == b and b > 1 else 0
+    else:
+        cos, sin = (c.expand(b, t, d).contiguous() for c in pe)
+        held, csb = (cos, sin), t * d
+    args = (cos.data_ptr(), sin.data_ptr(), csb, config._attn_implementation in C_ATTENTION_FOR)
+    _rope_memo[0] = (pe, (b, t, d), args, held, config)
+    return args
+
+
+def layer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                  position_ids: torch.Tensor | None = None, cache: Any = None, use_cache: bool | None = False,
+                  position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  **kwargs: Any) -> torch.Tensor:
+    """fast_forward as two C calls, kq_layer_pre and kq_layer_post, around
+    the cache's update: the same routines on the same inputs, so the same
+    bits; anything else (see ``plan``, the C attention's conditions, a
+    cache of another form, a silu torch would not run vectorized) runs
+    fast_forward."""
+    x = hidden_states
+    p: _Plan = self._specdec_plan  # type: ignore[attr-defined]
+    attn = self.self_attn  # type: ignore[attr-defined]
+    if "past_key_values" in kwargs and cache is None:
+        cache = kwargs.pop("past_key_values")
+    if (x.dtype != torch.float32 or x.dim() != 3 or position_embeddings is None
+            or position_embeddings[0].dtype != torch.float32 or kwargs.get("output_attentions")
+            or not self._specdec_attention  # type: ignore[attr-defined]
+            or attn.sliding_window is not None or kwargs.get("position_bias") is not None):
+        return fast_forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                            cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    b, t, _ = x.shape
+    d = p.D
+    cos, sin, csb, c_attention = _pass_args(position_embeddings, b, t, d, attn.config)
+    if not c_attention or (b * t * p.inter >= _TORCH_GRAIN and torch.get_num_threads() > 1):
+        return fast_forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                            cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    lib = self._specdec_lib  # type: ignore[attr-defined]
+    x = x.contiguous()
+    qs = torch.empty((b, p.H, t, d), dtype=torch.float32)
+    ks = torch.empty((b, p.Hkv, t, d), dtype=torch.float32)
+    vs = torch.empty((b, p.Hkv, t, d), dtype=torch.float32)
+    if lib.kq_layer_pre(p.ptr, x.data_ptr(), b, t, cos, sin, csb, qs.data_ptr(), ks.data_ptr(), vs.data_ptr()):
+        raise MemoryError("kquant layer: scratch allocation failed")
+    if cache is not None:
+        ks, vs = cache.update(ks, vs, attn.layer_idx, kwargs=kwargs)
+    s = ks.shape[2] if ks.dim() == 4 else -1
+    margs = _mask_args(attention_mask, b, t, s)
+    kst, vst = ks.stride(), vs.stride()
+    if (margs is None or ks.dtype != torch.float32 or vs.dtype != torch.float32 or kst[-1] != 1
+            or vst[-1] != 1 or ks.shape != (b, p.Hkv, s, d) or vs.shape != ks.shape):
+        return _rest(self, lib, x, qs, ks, vs, attention_mask, kwargs)
+    h = torch.empty_like(x)
+    rc = lib.kq_layer_post(p.ptr, x.data_ptr(), b, t, qs.data_ptr(), ks.data_ptr(), kst[0], kst[1], kst[2],
+                           vs.data_ptr(), vst[0], vst[1], vst[2], s, margs[0], margs[1], margs[2], margs[3],
+                           h.data_ptr())
+    if rc == 2:
+        return _rest(self, lib, x, qs, ks, vs, attention_mask, kwargs)
+    if rc:
+        raise MemoryError("kquant layer: scratch allocation failed")
     return h
 
 
@@ -248,11 +473,12 @@ def eligible(layer: torch.nn.Module) -> bool:
 C_ATTENTION_FOR = ("sdpa", "eager", "specdec_sdpa")
 
 
-def install(model: torch.nn.Module, c_attention: bool = True) -> int:
+def install(model: torch.nn.Module, c_attention: bool = True, two_calls: bool = True) -> int:
     """Switches every eligible decoder layer of ``model`` (kquant linear
     layers) to ``fast_forward``, with ``kq_attention`` in place of the
     model's attention function when ``c_attention`` (and the model runs one
-    of C_ATTENTION_FOR); returns how many layers."""
+    of C_ATTENTION_FOR), as ``layer_forward``'s two C calls when
+    ``two_calls`` (and ``plan`` takes the layer); returns how many layers."""
     which = None
     for mod in model.modules():
         if isinstance(mod, kquant.KQuantLinear):
@@ -266,7 +492,9 @@ def install(model: torch.nn.Module, c_attention: bool = True) -> int:
             mod._specdec_eager_forward = mod.forward  # type: ignore[assignment]
             mod._specdec_lib = _lib(which)  # type: ignore[assignment]
             mod._specdec_attention = c_attention  # type: ignore[assignment]
-            mod.forward = types.MethodType(fast_forward, mod)  # type: ignore[method-assign]
+            mod._specdec_plan = plan(mod) if two_calls else None  # type: ignore[assignment]
+            fn = layer_forward if mod._specdec_plan is not None else fast_forward
+            mod.forward = types.MethodType(fn, mod)  # type: ignore[method-assign]
             n += 1
     return n
 
@@ -280,5 +508,6 @@ def uninstall(model: torch.nn.Module) -> int:
             del mod._specdec_eager_forward
             del mod._specdec_lib
             del mod._specdec_attention
+            del mod._specdec_plan
             n += 1
     return n

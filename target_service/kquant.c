@@ -905,14 +905,24 @@ void kq_rmsnorm(const float* x, const float* res, float* h, const float* w, floa
    rotate_half(x)·sin, the same products and sums): src holds B·T rows (row
    b·T + t at src + (b·T + t)·stride) of H heads of D; cos and sin are
    [B][T][D]; out is [B][H][T][D] */
+static void rope_rows(const float* src, int64_t stride, int64_t B, int64_t T, int64_t H, int64_t D,
+                      const float* cos, const float* sin, int64_t csb, float* out);
+
 void kq_rope(const float* src, int64_t stride, int64_t B, int64_t T, int64_t H, int64_t D, const float* cos,
              const float* sin, float* out) {
+    rope_rows(src, stride, B, T, H, D, cos, sin, T * D, out);
+}
+
+/* kq_rope with cos and sin [B][T][D] at a batch stride of csb floats (0:
+   one [T][D] for every batch row) */
+static void rope_rows(const float* src, int64_t stride, int64_t B, int64_t T, int64_t H, int64_t D,
+                      const float* cos, const float* sin, int64_t csb, float* out) {
     const int64_t half = D / 2;
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++) {
             const float* row = src + (b * T + t) * stride;
-            const float* c = cos + (b * T + t) * D;
-            const float* s = sin + (b * T + t) * D;
+            const float* c = cos + b * csb + t * D;
+            const float* s = sin + b * csb + t * D;
             for (int64_t hh = 0; hh < H; hh++) {
                 const float* x = row + hh * D;
                 float* o = out + ((b * H + hh) * T + t) * D;
@@ -1134,4 +1144,191 @@ int kq_attention(const float* q, int64_t B, int64_t H, int64_t T, int64_t D,
     j.units = B * Hkv;
     dispatch(&j);
     return atomic_load(&a.failed) ? 1 : 0;
+}
+
+/* ------------------------------------------------- a decoder layer in two calls
+   fastlayers.py's fast_forward as two C calls per layer around the KV
+   cache's update (which stays in Python): kq_layer_pre (input RMSNorm, the
+   q/k/v kernel passes, rotary embedding and the heads) and kq_layer_post
+   (attention, o_proj, the residual add and the post-attention RMSNorm, the
+   gate/up passes, SiLU(gate)·up, down_proj and the last residual add). Each
+   step is the very routine fast_forward calls for it (kq_rmsnorm,
+   kq_linear / kq_linear_a8, kq_rope, kq_heads, kq_attention), on the same
+   inputs, so the bits are fast_forward's; SiLU·up is torch's float32
+   arithmetic (see silu_mul). The layer's constants (weights, kinds, sizes)
+   are one kq_layer_t, filled once at install time. */
+
+typedef struct {
+    int64_t kind, a8, K, N;
+    const uint8_t* w;
+    const float* bias;
+} kq_lin_t;
+
+typedef struct {
+    int64_t hidden, H, Hkv, D, inter;
+    const float* ln1;
+    const float* ln2;
+    float eps1, eps2, scale, unused;
+    int64_t nqkv;                     /* kernel passes for q, k, v (1 to 3) */
+    kq_lin_t qkv[3];
+    int64_t qkv_call[3], qkv_off[3];  /* q, k, v: the pass and the first column of its output */
+    kq_lin_t o;
+    int64_t ngu;                      /* kernel passes for gate, up (1 or 2) */
+    kq_lin_t gu[2];
+    int64_t gu_call[2], gu_off[2];
+    kq_lin_t down;
+} kq_layer_t;
+
+static int lin_run(const kq_lin_t* l, const float* x, int64_t M, float* y) {
+    return l->a8 ? kq_linear_a8((int)l->kind, x, M, l->K, l->w, l->bias, y, l->N)
+                 : kq_linear((int)l->kind, x, M, l->K, l->w, l->bias, y, l->N);
+}
+
+/* SLEEF's expf (xexpf, 1-ulp, FMA build), the exp of torch's Vectorized<float>
+   (Sleef_expf16_u10 / Sleef_expf8_u10): q = rint(x·log2 e), s = x − q·ln 2 in
+   two FMAs, a degree-5 polynomial by FMAs, 1 + s + s²·u, times 2^(q>>1) and
+   2^(q − q>>1); 0 below −104, +inf above 100 */
+#define SL_R_LN2 1.442695040888963407359924681001892137426645954152985934135449406931f
+#define SL_L2U 0.693145751953125f
+#define SL_L2L 1.428606765330187045e-06f
+#ifdef KQ_AVX512
+static inline __m512 sleef_expf(__m512 d) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(SL_R_LN2)));
+    const __m512 qf = _mm512_cvtepi32_ps(q);
+    __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-SL_L2U), d);
+    s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-SL_L2L), s);
+    __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
+    u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+    const __m512i q1 = _mm512_srai_epi32(q, 1), q2 = _mm512_sub_epi32(q, q1);
+    const __m512 p1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(q1, _mm512_set1_epi32(0x7f)), 23));
+    const __m512 p2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(q2, _mm512_set1_epi32(0x7f)), 23));
+    u = _mm512_mul_ps(_mm512_mul_ps(u, p1), p2);
+    u = _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.0f), _CMP_LT_OQ), u);
+    u = _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(_mm512_set1_ps(100.0f), d, _CMP_LT_OQ), _mm512_set1_ps(INFINITY));
+    return u;
+}
+
+/* torch's silu(g) (g / (1 + exp(−g)), Vectorized) then .mul_(u), 16 lanes */
+static inline void silu_mul16(const float* g, const float* u, float* o) {
+    const __m512 x = _mm512_loadu_ps(g);
+    const __m512 e = sleef_expf(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u))));
+    const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    _mm512_storeu_ps(o, _mm512_mul_ps(s, _mm512_loadu_ps(u)));
+}
+#else
+static inline __m256 sleef_expf(__m256 d) {
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, _mm256_set1_ps(SL_R_LN2)));
+    const __m256 qf = _mm256_cvtepi32_ps(q);
+    __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-SL_L2U), d);
+    s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-SL_L2L), s);
+    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
+    u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+    const __m256i q1 = _mm256_srai_epi32(q, 1), q2 = _mm256_sub_epi32(q, q1);
+    const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q1, _mm256_set1_epi32(0x7f)), 23));
+    const __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q2, _mm256_set1_epi32(0x7f)), 23));
+    u = _mm256_mul_ps(_mm256_mul_ps(u, p1), p2);
+    u = _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.0f), _CMP_LT_OQ), u);
+    u = _mm256_blendv_ps(u, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(_mm256_set1_ps(100.0f), d, _CMP_LT_OQ));
+    return u;
+}
+
+static inline void silu_mul8(const float* g, const float* u, float* o) {
+    const __m256 x = _mm256_loadu_ps(g);
+    const __m256 e = sleef_expf(_mm256_xor_ps(x, _mm256_set1_ps(-0.0f)));
+    const __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    _mm256_storeu_ps(o, _mm256_mul_ps(s, _mm256_loadu_ps(u)));
+}
+
+static inline void silu_mul16(const float* g, const float* u, float* o) {
+    silu_mul8(g, u, o);
+    silu_mul8(g + 8, u + 8, o + 8);
+}
+#endif
+
+/* out[m][i] = silu(gate[m][i]) · up[m][i] for M rows of I (I a multiple of
+   16; gate and up rows gs and us floats apart, out contiguous): torch's
+   silu(gate).mul_(up) on float32 where it runs its vectorized loop (every
+   element of a row whose length is a multiple of twice its vector width),
+   bit for bit */
+void kq_silu_mul(const float* gate, int64_t gs, const float* up, int64_t us, int64_t M, int64_t I, float* out) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = 0; i < I; i += 16) silu_mul16(gate + m * gs + i, up + m * us + i, out + m * I + i);
+}
+
+/* input RMSNorm, q/k/v, rotary embedding and heads of x [B][T][hidden]:
+   qs [B][H][T][D], ks and vs [B][Hkv][T][D]; cos and sin [B][T][D] at batch
+   stride csb (0: shared). Returns 0, or 1 if scratch cannot be allocated. */
+int kq_layer_pre(const kq_layer_t* L, const float* x, int64_t B, int64_t T, const float* cos, const float* sin,
+                 int64_t csb, float* qs, float* ks, float* vs) {
+    const int64_t M = B * T, K = L->hidden;
+    float* y = (float*)scratch(M * K * 4);
+    float* outs[3] = { NULL, NULL, NULL };
+    int rc = y ? 0 : 1;
+    for (int64_t c = 0; c < L->nqkv && !rc; c++)
+        if (!(outs[c] = (float*)scratch(M * L->qkv[c].N * 4))) rc = 1;
+    if (!rc) {
+        kq_rmsnorm(x, NULL, NULL, L->ln1, L->eps1, M, K, y);
+        for (int64_t c = 0; c < L->nqkv && !rc; c++) rc = lin_run(&L->qkv[c], y, M, outs[c]);
+    }
+    if (!rc) {
+        const int64_t heads[3] = { L->H, L->Hkv, L->Hkv };
+        float* dst[3] = { qs, ks, vs };
+        for (int p = 0; p < 3; p++) {
+            const int64_t c = L->qkv_call[p], stride = L->qkv[c].N;
+            const float* src = outs[c] + L->qkv_off[p];
+            if (p < 2) rope_rows(src, stride, B, T, heads[p], L->D, cos, sin, csb, dst[p]);
+            else kq_heads(src, stride, B, T, heads[p], L->D, dst[p]);
+        }
+    }
+    free(y);
+    for (int c = 0; c < 3; c++) free(outs[c]);
+    return rc;
+}
+
+/* the rest of the layer from qs (kq_layer_pre's) and the cache's keys and
+   values (strided [B][Hkv][S][D], as kq_attention; mask as kq_attention's,
+   causal when NULL): h [B][T][hidden] = the layer's output for x. Returns 0;
+   1 if scratch cannot be allocated; 2 for an attention shape kq_attention
+   does not take (h untouched). */
+int kq_layer_post(const kq_layer_t* L, const float* x, int64_t B, int64_t T, const float* qs,
+                  const float* k, int64_t ksb, int64_t ksh, int64_t kss,
+                  const float* v, int64_t vsb, int64_t vsh, int64_t vss, int64_t S,
+                  const uint8_t* mask, int64_t msb, int64_t mst, int64_t mss, float* h) {
+    const int64_t M = B * T, K = L->hidden, I = L->inter;
+    float* att = (float*)scratch(M * L->H * L->D * 4);
+    float* o = (float*)scratch(M * K * 4);
+    float* y = (float*)scratch(M * K * 4);
+    float* act = (float*)scratch(M * I * 4);
+    float* outs[2] = { NULL, NULL };
+    int rc = (att && o && y && act) ? 0 : 1;
+    for (int64_t c = 0; c < L->ngu && !rc; c++)
+        if (!(outs[c] = (float*)scratch(M * L->gu[c].N * 4))) rc = 1;
+    if (!rc)
+        rc = kq_attention(qs, B, L->H, T, L->D, k, ksb, ksh, kss, v, vsb, vsh, vss, L->Hkv, S, mask, msb, mst, mss,
+                          1, L->scale, att);
+    if (!rc) rc = lin_run(&L->o, att, M, o);
+    if (!rc) {
+        kq_rmsnorm(x, o, h, L->ln2, L->eps2, M, K, y);
+        for (int64_t c = 0; c < L->ngu && !rc; c++) rc = lin_run(&L->gu[c], y, M, outs[c]);
+    }
+    if (!rc) {
+        const int64_t cg = L->gu_call[0], cu = L->gu_call[1];
+        kq_silu_mul(outs[cg] + L->gu_off[0], L->gu[cg].N, outs[cu] + L->gu_off[1], L->gu[cu].N, M, I, act);
+        rc = lin_run(&L->down, act, M, o);  /* o is free again: down_proj's output */
+    }
+    if (!rc)
+        for (int64_t i = 0; i < M * K; i++) h[i] = h[i] + o[i];
+    free(att); free(o); free(y); free(act);
+    for (int c = 0; c < 2; c++) free(outs[c]);
+    return rc;
 }

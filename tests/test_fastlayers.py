@@ -230,3 +230,145 @@ def test_apply_quant_can_leave_transformers_layers(fast_model) -> None:  # type:
         counts = quant.apply_quant(m, "kquant", gguf, fast_layers=False)
     assert counts.get("fast_layers", 0) == 0
     assert not any(hasattr(x, "_specdec_eager_forward") for x in m.modules())
+
+
+# --------------------------------------------- the layer in two C calls
+@pytest.mark.parametrize("build", BUILDS)
+def test_silu_mul_is_torchs_silu_then_mul_bit_for_bit(build: str) -> None:
+    """kq_silu_mul is torch's float32 ``silu(gate).mul_(up)`` (its
+    vectorized loop: SLEEF's expf), bit for bit: random rows of a fused
+    gate/up output, and the edges of exp's range (an exhaustive check over
+    all 2^32 float32 inputs found no difference on either build)."""
+    g = torch.Generator().manual_seed(9)
+    m, inter = 7, 512
+    gu = torch.randn(m, 2 * inter, generator=g) * torch.logspace(-3, 2.2, m)[:, None]
+    edges = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-40, -1e-40, 88.0, 89.0, 100.0, 100.5, -87.0, -88.7, -103.9,
+                          -104.0, -104.1, -150.0, 3e38, -3e38, float("inf"), -float("inf")])
+    gu[0, :len(edges)] = edges
+    gate, up = gu[:, :inter], gu[:, inter:]
+    ref = torch.nn.functional.silu(gate).mul_(up)
+    out = torch.empty(m, inter)
+    lib(build).kq_silu_mul(gate.data_ptr(), gu.stride(0), up.data_ptr(), gu.stride(0), m, inter, out.data_ptr())
+    assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
+    # negative control: silu with a correctly rounded exp differs in the last bits
+    near = (gate.double() / (1 + torch.exp(-gate.double()))).float() * up
+    assert not torch.equal(near, ref)
+
+
+def tiny_kquant(hf, gguf, build: str, backend: str, fuse: bool, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    m.set_attn_implementation("sdpa")
+    with monkeypatch.context() as mp, torch.inference_mode():
+        mp.setattr(kquant, "isa", lambda: build)  # the kernel build the layers are packed for
+        counts = quant.apply_quant(m, backend, gguf, fuse=fuse)
+    assert counts["fast_layers"] == m.config.num_hidden_layers
+    return m
+
+
+def passes(m, ids: torch.Tensor) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """A prompt's logits, its 1-token steps', its 3- and 8-token passes' and
+    a left-padded batch's (this prompt beside a longer one)."""
+    from target_service import kv_adapter
+
+    outs = [m(input_ids=ids).logits[0]]
+    for chunk in (1, 3, 8):
+        cache = kv_adapter.new_cache(m.config)
+        rows = [m(input_ids=ids[:, :6], cache=cache).logits[0]]
+        for i in range(6, ids.shape[1], chunk):
+            rows.append(m(input_ids=ids[:, i:i + chunk], cache=cache).logits[0])
+        outs.append(torch.cat(rows))
+    other = torch.randint(1, 30, (1, ids.shape[1] + 5), generator=torch.Generator().manual_seed(8))
+    batch = torch.cat([torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1), other])
+    attn = torch.ones_like(batch)
+    attn[0, :5] = 0
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)
+    out = m(input_ids=batch, attention_mask=attn, position_ids=pos).logits
+    return outs + [out[0, 5:], out[1]]
+
+
+@pytest.mark.parametrize("backend,fuse", [("kquant", True), ("kquant", False), ("kquant-a8", True)])
+def test_two_call_layers_are_the_fused_layers_bit_for_bit(fast_model, backend: str, fuse: bool,  # type: ignore[no-untyped-def]
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """layer_forward (kq_layer_pre, kq_layer_post) gives fast_forward's
+    logits bit for bit for a prompt, its steps, its k-token passes and a
+    left-padded batch, on both kernel builds, with fused and separate
+    projections; a row's logits are the same in every pass; and with the
+    8-bit activations (the same bits on both builds) the same on both."""
+    _, hf, gguf = fast_model
+    ids = torch.randint(1, 30, (1, 24), generator=torch.Generator().manual_seed(10))
+    first = None
+    for build in BUILDS:
+        m = tiny_kquant(hf, gguf, build, backend, fuse, monkeypatch)
+        plans = [layer._specdec_plan for layer in m.model.layers]
+        assert all(p is not None for p in plans)
+        assert {p.struct.nqkv for p in plans} == ({2} if fuse else {3})  # v (Q6_K) apart from q/k (Q4_K)
+        assert {p.struct.ngu for p in plans} == ({1} if fuse else {2})
+        with torch.inference_mode(), monkeypatch.context() as mp:
+            def refuse(*_a, **_k):  # type: ignore[no-untyped-def]
+                raise AssertionError("layer_forward fell back")
+            mp.setattr(fastlayers, "fast_forward", refuse)
+            mp.setattr(fastlayers, "_rest", refuse)
+            new = passes(m, ids)
+        assert fastlayers.uninstall(m) == m.config.num_hidden_layers
+        fastlayers.install(m, two_calls=False)
+        assert all(layer.forward.__func__ is fastlayers.fast_forward for layer in m.model.layers)
+        with torch.inference_mode():
+            old = passes(m, ids)
+        for a, b in zip(new, old):
+            assert torch.equal(a, b)
+        for rows in new[1:5]:
+            assert torch.equal(rows, new[0])
+        if first is None:
+            first = new
+        elif backend == "kquant-a8":  # its linear layers give the same bits on both builds, so do the layers
+            assert all(torch.equal(a, b) for a, b in zip(new, first))
+        else:  # the bf16 builds' linear layers sum in different orders (kquant.py)
+            assert not torch.equal(new[0], first[0])
+    # negative control: another token earlier changes the rows after it on this path too
+    ids2 = ids.clone()
+    ids2[0, 10] = (ids2[0, 10] % 29) + 1
+    with torch.inference_mode():
+        fastlayers.uninstall(m)
+        fastlayers.install(m)
+        again = m(input_ids=ids2).logits[0]
+    assert torch.equal(again[:10], new[0][:10]) and not torch.equal(again[10:], new[0][10:])
+
+
+def test_two_call_layers_fall_back_to_fast_forward(fast_model, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """What the two calls do not take runs fast_forward: the model's own
+    attention (c_attention=False), and a silu torch would split over its
+    threads mid-row (several threads, a large pass)."""
+    m, _, _ = fast_model
+    calls = []
+    real = fastlayers.fast_forward
+
+    def counting(*a, **k):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real(*a, **k)
+
+    ids = torch.randint(1, 30, (1, 24), generator=torch.Generator().manual_seed(11))
+    with torch.inference_mode():
+        ref = m(input_ids=ids).logits
+        monkeypatch.setattr(fastlayers, "fast_forward", counting)
+        fastlayers.uninstall(m)
+        fastlayers.install(m, c_attention=False)
+        try:
+            sdpa_out = m(input_ids=ids).logits
+            assert len(calls) == m.config.num_hidden_layers
+            monkeypatch.setattr(fastlayers, "_TORCH_GRAIN", 24 * 512)
+            monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+            fastlayers.uninstall(m)
+            fastlayers.install(m)
+            calls.clear()
+            again = m(input_ids=ids).logits
+            assert len(calls) == m.config.num_hidden_layers
+            calls.clear()
+            m(input_ids=ids[:, :23])  # below the grain: the two calls
+            assert not calls
+        finally:
+            fastlayers.uninstall(m)
+            fastlayers.install(m)
+    assert torch.equal(again, ref)
+    assert (sdpa_out - ref).abs().max() <= 1e-4 * ref.abs().max()
