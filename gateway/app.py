@@ -19,13 +19,13 @@ access-log line per request (logger ``specdec.gateway.access``).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 import grpc
+import orjson
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sse_starlette.sse import EventSourceResponse
@@ -49,9 +49,19 @@ _DONE = b"data: [DONE]\n\n"
 def _sse(obj: Any) -> bytes:
     """One SSE ``data:`` event, already encoded: sse-starlette sends bytes as
     they are (a dict event would be rebuilt as a ``ServerSentEvent`` and split
-    on newlines per chunk). ``json.dumps`` escapes newlines and non-ASCII, so
-    these are the bytes sse-starlette made from ``{"data": json.dumps(obj)}``."""
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+    on newlines per chunk). orjson's compact UTF-8 JSON escapes every control
+    character (newline and CR included), so the event is one ``data:`` line;
+    non-ASCII (U+2028 too, which is no SSE line break) stays as UTF-8."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class _Json(JSONResponse):
+    """A JSON response encoded by orjson (Starlette's documented way to swap
+    the encoder): the same compact UTF-8 JSON as ``JSONResponse``, faster; a
+    non-finite float becomes ``null`` where ``JSONResponse`` raised."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
 
 
 class _Gone(Exception):
@@ -127,27 +137,27 @@ class Gateway:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "specdec"}
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_card(m) for m in self.cfg.served_model_names]})
+        return _Json({"object": "list", "data": [self._model_card(m) for m in self.cfg.served_model_names]})
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
         if name not in self.cfg.served_model_names:
             e = ApiError(404, f"The model `{name}` does not exist.", "model", "not_found_error", "model_not_found")
-            return JSONResponse(e.body(), status_code=404)
-        return JSONResponse(self._model_card(name))
+            return _Json(e.body(), status_code=404)
+        return _Json(self._model_card(name))
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        return _Json({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:
         if self.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
+            return _Json({"status": "draining"}, status_code=503)
         try:
             r = await self.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=self.cfg.ready_timeout_s)
             serving = r.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError as e:
-            return JSONResponse({"status": "orchestrator unreachable", "error": e.code().name}, status_code=503)
-        return JSONResponse({"status": "ready" if serving else "orchestrator not serving"},
+            return _Json({"status": "orchestrator unreachable", "error": e.code().name}, status_code=503)
+        return _Json({"status": "ready" if serving else "orchestrator not serving"},
                             status_code=200 if serving else 503)
 
     # -------------------------------------------------------------- generation
@@ -160,7 +170,7 @@ class Gateway:
                 raise ApiError(413, f"request body exceeds {self.cfg.max_body_bytes} bytes", "body")
             chunks.append(part)
         try:
-            return json.loads(b"".join(chunks))
+            return orjson.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}", "body") from None
 
@@ -207,14 +217,14 @@ class Gateway:
                                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             msgs = await self._until_disconnect(request, self._read_all(call))
             rec.tokens = sum(len(m.token_ids) for m in msgs)
-            return JSONResponse(fmt.complete(msgs))
+            return _Json(fmt.complete(msgs))
         except ApiError as e:
             rec.status, rec.error = e.status, e.message[:200]
-            return JSONResponse(e.body(), status_code=e.status)
+            return _Json(e.body(), status_code=e.status)
         except grpc.RpcError as e:
             err = api_error(e.code(), e.details() or "")
             rec.status, rec.grpc_code, rec.error = err.status, e.code().name, err.message[:200]
-            return JSONResponse(err.body(), status_code=err.status)
+            return _Json(err.body(), status_code=err.status)
         except (_Gone, ClientDisconnect):
             rec.status, rec.grpc_code = 499, "CANCELLED"  # no response reaches the client
             return Response(status_code=499)
@@ -242,20 +252,19 @@ class Gateway:
         """The SSE events of a streamed response (the generator is cancelled
         when the client disconnects: the Generate call is cancelled with it)."""
         try:
-            for chunk in fmt.first():
-                yield _sse(chunk)
+            head = b"".join(_sse(chunk) for chunk in fmt.first())
             msg = first
-            while msg is not None:
+            while msg is not None:  # one write per gRPC chunk (the last one's finish and usage events together)
                 rec.tokens += len(msg.token_ids)
-                for chunk in fmt.chunk(msg):
-                    yield _sse(chunk)
+                if events := head + b"".join(_sse(chunk) for chunk in fmt.chunk(msg)):
+                    yield events
+                    head = b""
                 msg = await self._read(call)
-            yield _DONE
+            yield head + _DONE
         except grpc.RpcError as e:
             err = api_error(e.code(), e.details() or "")
             rec.grpc_code, rec.error = e.code().name, err.message[:200]
-            yield _sse(err.body())
-            yield _DONE
+            yield head + _sse(err.body()) + _DONE
         except asyncio.CancelledError:
             rec.grpc_code = rec.grpc_code or "CANCELLED"
             raise

@@ -22,6 +22,9 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "") -> FlagSet:
                f"default; default: the target model, {DEFAULT_TARGET})")
     f.add("request-timeout", type=float, default=600.0, help="seconds one request may take (its Generate deadline)")
     f.add("max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get HTTP 413")
+    f.add("event-loop", choices=["auto", "uvloop", "asyncio"], default="auto",
+          help="the gateway's event loop: uvloop (faster per request and per streamed chunk), asyncio's own, or "
+               "auto (uvloop when it is installed)")
     return f
 
 
@@ -59,7 +62,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> GatewayConfig:
         orchestrator_tls=client_tls(a.orchestrator_ca, a.orchestrator_cert, a.orchestrator_key,
                                     a.orchestrator_server_name),
         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
-        request_timeout_s=a.request_timeout, max_body_bytes=a.max_body_bytes,
+        request_timeout_s=a.request_timeout, max_body_bytes=a.max_body_bytes, event_loop=a.event_loop,
         metrics_port=a.metrics_port, metrics_host=a.metrics_host, allow_plaintext_tokens=a.allow_plaintext_tokens,
     )
 

@@ -25,6 +25,9 @@ class GatewayConfig:
     request_timeout_s: float = 600.0  # the Generate deadline of one request (the openai client's default)
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
     max_message_bytes: int = 8 * 1024 * 1024  # gRPC messages to and from the orchestrator
+    # the event loop of `specdec serve gateway`: "uvloop", "asyncio", or "auto"
+    # (uvloop when importable); gateway.server.event_loop_runner picks it
+    event_loop: str = "auto"
     ready_timeout_s: float = 1.0  # the orchestrator health check behind /ready
     metrics_port: int = 0  # Prometheus /metrics on its own port; 0 = off
     metrics_host: str = "127.0.0.1"

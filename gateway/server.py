@@ -11,7 +11,7 @@ import socket
 import ssl
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Coroutine, Iterator
 
 import uvicorn
 
@@ -68,6 +68,26 @@ class GatewayServer:
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
         await self.channel.close()
+
+
+def event_loop_runner(config: GatewayConfig) -> Callable[[Coroutine[Any, Any, None]], None]:
+    """What runs ``specdec serve gateway``'s loop: ``uvloop.run`` for
+    ``event_loop`` "uvloop", and for "auto" when uvloop is importable (it
+    cuts the event loop's share of each request and each streamed chunk,
+    docs/benchmarks.md, gateway overhead); else ``asyncio.run``. grpc.aio
+    runs on either (tests/test_gateway.py runs the gateway on both)."""
+    if config.event_loop not in ("auto", "uvloop", "asyncio"):
+        raise ValueError(f"event_loop must be auto, uvloop or asyncio, got {config.event_loop!r}")
+    if config.event_loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if config.event_loop == "uvloop":
+                raise
+            log(logger, logging.INFO, "uvloop is not installed: the gateway runs on asyncio's event loop")
+        else:
+            return uvloop.run
+    return asyncio.run
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -16,7 +16,7 @@ import importlib
 import re
 import signal
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Coroutine
 
 # The ports the services listen on by default (``specdec serve`` and ``up``);
 # the gateway's is HTTP (vLLM's convention).
@@ -141,7 +141,9 @@ def serve_command(sub: Any, service: str, help: str, add_arguments: Callable[[ar
     """``specdec serve <service>``: the flags every server takes plus the
     service's own (``add_arguments``); it builds the config with
     ``config_from_args`` and runs ``<server_module>.start`` (imported only then:
-    a server module loads the service's heavy dependencies)."""
+    a server module loads the service's heavy dependencies). A server module
+    may define ``event_loop_runner(config)``: the function that runs the
+    serve loop (``asyncio.run`` without one)."""
     p: argparse.ArgumentParser = sub.add_parser(service, help=help)
     add_common_flags(p)
     p.add_argument("--port", type=int, default=DEFAULT_PORTS[service], help="port to listen on (0 = pick a free one)")
@@ -150,8 +152,9 @@ def serve_command(sub: Any, service: str, help: str, add_arguments: Callable[[ar
     add_arguments(p.add_argument_group(service))
 
     def serve(a: argparse.Namespace) -> int:
-        start = importlib.import_module(server_module).start
-        return run_server(a, service, start, lambda: config_from_args(a, a.port))
+        module = importlib.import_module(server_module)
+        return run_server(a, service, module.start, lambda: config_from_args(a, a.port),
+                          getattr(module, "event_loop_runner", None))
 
     p.set_defaults(func=serve)
 
@@ -177,11 +180,15 @@ async def serve_forever(start: Callable[[Any], Awaitable[Server]], config: Any, 
 
 
 def run_server(a: argparse.Namespace, service: str, start: Callable[[Any], Awaitable[Server]],
-               build_config: Callable[[], Any]) -> int:
-    """The body of ``specdec serve <service>``: logging, the config, then serve until signalled."""
+               build_config: Callable[[], Any],
+               event_loop_runner: Callable[[Any], Callable[[Coroutine[Any, Any, None]], None]] | None = None) -> int:
+    """The body of ``specdec serve <service>``: logging, the config, then
+    serve until signalled (on the loop ``event_loop_runner(config)`` runs;
+    default ``asyncio.run``)."""
     from specdec.logging_util import setup_logging
 
     setup_logging(a.log_level, service)
     config = build_config()
-    asyncio.run(serve_forever(start, config, a.drain_timeout))
+    run = event_loop_runner(config) if event_loop_runner is not None else asyncio.run
+    run(serve_forever(start, config, a.drain_timeout))
     return 0

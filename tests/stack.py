@@ -44,10 +44,10 @@ def load_script(name: str) -> ModuleType:
 
 
 class LoopThread:
-    """An asyncio loop on a daemon thread."""
+    """An asyncio loop on a daemon thread (``factory``: another loop, e.g. uvloop's)."""
 
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+    def __init__(self, factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop) -> None:
+        self.loop = factory()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
 
@@ -371,12 +371,12 @@ def start_service_process(
     return ServiceProcess(service, proc, port, metrics_port)
 
 
-def start_gateway(stack: Stack, **overrides: Any) -> Any:
-    """The HTTP gateway on port 0 in front of ``stack``'s orchestrator, on the
-    stack's loop; stop it with ``stack.loop.run(gw.stop(0))``."""
+def start_gateway(stack: Stack, loop: LoopThread | None = None, **overrides: Any) -> Any:
+    """The HTTP gateway on port 0 in front of ``stack``'s orchestrator, on
+    ``loop`` (default the stack's); stop it with ``loop.run(gw.stop(0))``."""
     from gateway.config import GatewayConfig
     from gateway.server import start
 
     cfg = GatewayConfig(**{"orchestrator_address": stack.address, "port": 0, "served_model_names": ["tiny"],
                            **overrides})
-    return stack.loop.run(start(cfg))
+    return (loop or stack.loop).run(start(cfg))

@@ -5,6 +5,7 @@ streams, bearer tokens passed through, and the gRPC -> HTTP status mapping."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -18,7 +19,7 @@ import openai
 import pytest
 
 from gateway.responses import HTTP_STATUS, api_error
-from tests.stack import Stack, free_port, make_request, start_gateway, start_stack
+from tests.stack import LoopThread, Stack, free_port, make_request, start_gateway, start_stack
 
 TOKEN = "gateway-test-token-0123456789"
 OTHER = "gateway-other-token-0123456789"
@@ -36,11 +37,34 @@ def stack(json_models, tmp_path_factory: pytest.TempPathFactory) -> Stack:  # ty
     s.close()
 
 
-@pytest.fixture(scope="module")
-def gateway(stack: Stack) -> Any:
-    gw = start_gateway(stack)
+@pytest.fixture(scope="module", params=["asyncio", "uvloop"])
+def gateway(stack: Stack, request: pytest.FixtureRequest) -> Any:
+    """The gateway on the stack's asyncio loop, and on a uvloop loop of its
+    own (what ``specdec serve gateway`` runs on when uvloop is installed):
+    every gateway test runs on both."""
+    if request.param == "asyncio":
+        gw = start_gateway(stack)
+        yield gw
+        stack.loop.run(gw.stop(0))
+        return
+    import uvloop
+
+    from gateway.config import GatewayConfig
+    from gateway.server import event_loop_runner
+
+    assert event_loop_runner(GatewayConfig()) is uvloop.run  # "auto" picks it
+    assert event_loop_runner(GatewayConfig(event_loop="asyncio")) is asyncio.run
+    loop = LoopThread(uvloop.new_event_loop)
+    gw = start_gateway(stack, loop)
+    assert isinstance(gw.task.get_loop(), uvloop.Loop)
+    gw.loop_thread = loop
     yield gw
-    stack.loop.run(gw.stop(0))
+    loop.run(gw.stop(0))
+    loop.close()
+
+
+def _run(gw: Any, stack: Stack, coro: Any) -> Any:
+    return getattr(gw, "loop_thread", stack.loop).run(coro)
 
 
 def client(gw: Any, token: str = TOKEN) -> openai.OpenAI:
@@ -219,21 +243,22 @@ def test_grpc_errors_map_to_http_statuses(stack: Stack, gateway: Any) -> None:
     for h in held:
         h.close()
     stack.assert_clean()
-    fast = start_gateway(stack, request_timeout_s=0.05)
+    loop = getattr(gateway, "loop_thread", None)
+    fast = start_gateway(stack, loop, request_timeout_s=0.05)
     try:
         with pytest.raises(openai.APIStatusError) as e:  # DEADLINE_EXCEEDED
             client(fast).chat.completions.create(**chat, max_tokens=400, extra_body={"ignore_eos": True})
         assert e.value.status_code == 504
     finally:
-        stack.loop.run(fast.stop(0))
-    dead = start_gateway(stack, orchestrator_address=f"127.0.0.1:{free_port()}")
+        _run(gateway, stack, fast.stop(0))
+    dead = start_gateway(stack, loop, orchestrator_address=f"127.0.0.1:{free_port()}")
     try:
         with pytest.raises(openai.InternalServerError) as e:  # UNAVAILABLE
             client(dead).chat.completions.create(**chat, max_tokens=2)
         assert e.value.status_code == 503
         assert httpx.get(f"{dead.url}/ready").status_code == 503
     finally:
-        stack.loop.run(dead.stop(0))
+        _run(gateway, stack, dead.stop(0))
     stack.assert_clean()
 
 
@@ -252,20 +277,25 @@ def test_status_table() -> None:
                                   "code": "resource_exhausted"}}
 
 
-def test_sse_events_are_the_bytes_sse_starlette_made_from_dict_events() -> None:
-    """The gateway yields its SSE events pre-encoded; they are byte for byte
-    what sse-starlette made from ``{"data": json.dumps(chunk)}`` (newlines,
-    CR, U+2028 and non-ASCII in the text included). Negative control: a JSON
-    encoding that keeps non-ASCII and a raw newline differs."""
-    from sse_starlette.event import ensure_bytes
-
+def test_sse_events_are_one_data_line_of_the_same_json() -> None:
+    """The gateway yields its SSE events pre-encoded (orjson): each is one
+    ``data:`` line (newlines and CR in the text escaped; U+2028 and non-ASCII
+    kept as UTF-8, which SSE does not split on) whose JSON means what
+    ``json.dumps`` made. Negative control: a raw newline would split the event."""
     from gateway.app import _DONE, _sse
 
-    for obj in ({"choices": [{"text": "a\nb\r\nc\rd \u2028 é ☃"}]}, {"error": {"message": "m", "param": None}}, {}):
-        assert _sse(obj) == ensure_bytes({"data": json.dumps(obj)}, "\n")
-    assert _DONE == ensure_bytes({"data": "[DONE]"}, "\n") == b"data: [DONE]\n\n"
-    raw = {"text": "a\nb é"}
-    assert ensure_bytes({"data": json.dumps(raw, ensure_ascii=False).replace("\\n", "\n")}, "\n") != _sse(raw)
+    for obj in ({"choices": [{"text": "a\nb\r\nc\rd \u2028 é ☃ \x00\t\"\\", "logprob": -0.1234567890123}]},
+                {"error": {"message": "m", "param": None}}, {}, {"n": 2**63, "f": 1e-7}):
+        event = _sse(obj)
+        assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+        line = event[len(b"data: "):-2]
+        assert b"\n" not in line and b"\r" not in line
+        assert json.loads(line) == obj == json.loads(json.dumps(obj))
+    assert _sse({"t": "é"}) == 'data: {"t":"é"}\n\n'.encode()
+    assert _DONE == b"data: [DONE]\n\n"
+    raw = 'data: {"t":"a\nb"}\n\n'.encode()  # what an encoder that kept newlines would send
+    assert raw.split(b"\n\n")[0].count(b"\n") == 1 and _sse({"t": "a\nb"}) != raw
+    assert _sse({"t": "a\nb"}).count(b"\n") == 2
 
 
 def orchestrator_count(stack: Stack, code: str) -> float:
