@@ -74,24 +74,31 @@ static inline void store_out(const job_t* j, int64_t m, int64_t n, float v) {
 }
 
 /* super-block b of the group of 8 rows from row n (its 8 rows' blocks
-   contiguous), fetching the group's blocks four super-blocks ahead: the
-   hardware prefetcher alone leaves the memory bus idle while a block computes
-   (on Zen 5; on Zen 4 it cost ~7 %, so kq_set_prefetch lets calibration choose) */
-static int prefetch_ahead = 4;  /* super-blocks; 0 = the hardware prefetcher alone (kq_set_prefetch) */
+   contiguous), fetching the group's blocks prefetch_ahead super-blocks ahead
+   into L2 (_MM_HINT_T1). Without it a 1-row pass is bound by memory latency,
+   not bandwidth: the out-of-order window covers about one KiB of the weight
+   stream, and the hardware prefetchers alone kept the memory bus half idle
+   (Zen 4, all 197 layers of the 1.5B at 1 row: 41-51 ms against 30-35 ms
+   for a plain read of the same bytes). Fetching into L1 (T0) instead filled
+   its few miss buffers and cost more than it saved at long distances;
+   into L2, 4-16 super-blocks ahead gave 10-25 % at 1 row and 7-9 % at
+   4-8 rows (docs/benchmarks.md). kq_set_prefetch lets calibration choose
+   per machine, 0 included. */
+static int prefetch_ahead = 16;  /* super-blocks; 0 = the hardware prefetcher alone (kq_set_prefetch) */
 
 static inline const uint8_t* group_block(const job_t* j, int64_t n, int64_t b, int64_t BS) {
     const uint8_t* blk = j->w + ((n / 8) * (j->K / 256) + b) * 8 * BS;
     if (prefetch_ahead)
         for (int64_t off = 0; off < 8 * BS; off += 64)
-            _mm_prefetch((const char*)(blk + prefetch_ahead * 8 * BS + off), _MM_HINT_T0);
+            _mm_prefetch((const char*)(blk + prefetch_ahead * 8 * BS + off), _MM_HINT_T1);
     return blk;
 }
 
 /* how many super-blocks ahead the kernel fetches its weights in software
-   (0: not at all); returns the setting now in force. Timing only: the
-   results are the same bits whatever it is. */
+   (0: not at all; at most 64); returns the setting now in force. Timing
+   only: the results are the same bits whatever it is. */
 int kq_set_prefetch(int ahead) {
-    if (ahead >= 0) prefetch_ahead = ahead > 16 ? 16 : ahead;
+    if (ahead >= 0) prefetch_ahead = ahead > 64 ? 64 : ahead;
     return prefetch_ahead;
 }
 

@@ -144,15 +144,15 @@ def set_threads(threads: int) -> int:
 
 
 #: the kernel's own software-prefetch distance (super-blocks ahead)
-DEFAULT_PREFETCH = 4
+DEFAULT_PREFETCH = 16
 
 
 def set_prefetch(ahead: int, which: str | None = None) -> int:
     """How many super-blocks ahead the kernel fetches its weights in
     software (0: the hardware prefetchers alone); returns the setting in
     force. It changes timing only, never a result bit (tested). Calibration
-    measures both and keeps the faster one per machine: it paid on Zen 5 and
-    cost ~7 % on Zen 4 (docs/benchmarks.md)."""
+    times ``DEFAULT_PREFETCH`` against 0 and keeps the faster one per
+    machine (docs/benchmarks.md, "the kernel's software prefetch")."""
     lib, why = _library(which)
     if lib is None:
         raise RuntimeError(f"the kquant kernel is not available: {why}")
