@@ -52,6 +52,9 @@ def add_speculation_arguments(p: argparse._ActionsContainer) -> FlagSet:
           help="unary: the draft takes the prompt in while the target prefills it (in the background; the "
                "first token never waits for it); auto = on unless draft and target both run on CPU, where "
                "they share the cores")
+    f.add("local-lookup", default="on", choices=["on", "off"],
+          help="requests drafting with auto: prompt lookup in the orchestrator first (no draft call; rounds "
+               "priced at the target's verify cost), the model drafter for the other rounds (unary drafting)")
     f.add("draft-batch-events", default="on", choices=["on", "off"],
           help="draft streams send every ready drafted token in one message instead of one message per "
                "token (same tokens, fewer wake-ups per round)")
@@ -130,6 +133,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> OrchestratorConfig:
         draft_mode=a.draft_mode, run_ahead_tokens=a.run_ahead_tokens, decode_ahead=a.decode_ahead,
         target_verify_stream=a.target_verify_stream == "on",
         draft_batch_events=a.draft_batch_events == "on", draft_prefill_overlap=a.draft_prefill_overlap,
+        local_lookup=a.local_lookup == "on",
         routing=RoutingConfig(discovery_interval_s=a.discovery_interval, backoff_s=a.replica_backoff,
                               target_load_factor=a.target_load_factor),
         tls=server_tls(a),

@@ -66,6 +66,12 @@ class OrchestratorConfig:
     # never awaited before the first token): "on", "off", or "auto" = on unless draft and
     # target both run on CPU (on one machine's cores the draft's prefill slows the target's)
     draft_prefill_overlap: str = "auto"
+    # Prompt lookup in the orchestrator for requests that draft with ``auto``
+    # (orchestrator/lookup.py): rounds whose committed suffix has a trusted
+    # earlier match verify its continuation with no draft call, priced at the
+    # target's verify cost alone; the model drafter serves the other rounds.
+    # Unary drafting only. False: the draft service's ``auto`` decides alone.
+    local_lookup: bool = True
     # Verify over one VerifyStream call per session instead of a unary call per
     # round (same answers; saves a call's set-up each round, docs/benchmarks.md);
     # a target without VerifyStream gets unary calls.

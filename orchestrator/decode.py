@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 from orchestrator.decode_params import (  # noqa: F401  (re-exported: the loop's public types)
     DRAFT_MODES, DRAFT_S_PER_TOKEN, MAX_REBUILDS_PER_ROUND, PREFILL_S_PER_TOKEN, DecodeParams, Step, UnknownDrafter,
 )
+from orchestrator.lookup import one_hot
 from orchestrator.policy import RoundObservation
 from orchestrator.request_stats import RequestStats
 from orchestrator.protocols import DraftClient, DraftStream, PostToken, ProposeReply, TargetClient, VerifyReply
@@ -61,6 +62,9 @@ class Decoder:
         self.stream_known = 0  # committed tokens the stream has been sent
         self.stream_drafted = 0  # committed tokens the stream had drafted after at its last span
         self._warm: asyncio.Future[None] | None = None  # the draft's overlapped prompt prefill (draft_prefill_overlap)
+        # prompt lookup in the orchestrator (unary drafting only): this round's span, when it has one
+        self.lookup = params.lookup if (self.draft is not None and not self.streamed) else None
+        self._local: list[int] = []
 
     # --------------------------------------------------------------- helpers
     def _prefill_timeout(self, tokens: int) -> float:
@@ -216,10 +220,20 @@ class Decoder:
 
     # ------------------------------------------------------------------ loop
     def _choose(self) -> tuple[int, float]:
-        """(γ, confidence stop) for the next round, from what is known now."""
+        """(γ, confidence stop) for the next round, from what is known now.
+        A round that verifies a local prompt-lookup span (``self._local``)
+        asks the draft for nothing (γ = 0)."""
+        self._local = []
         remaining = self.p.max_new_tokens - self.generated
         if remaining <= 0:
             return 0, 0.0
+        if self.lookup is not None and self.p.lookup_policy is not None:
+            ids = self.lookup.candidate(self.committed, min(self.p.max_lookup_tokens, remaining - 1))
+            if ids:
+                self._local = ids[: min(self.p.lookup_policy.next_gamma(), len(ids))]
+            self.lookup.note_round(bool(self._local))
+            if self._local:
+                return 0, 0.0
         if self._warming():  # the draft is still taking the prompt in: plain rounds meanwhile
             return 0, 0.0
         outlook = getattr(self.p.policy, "set_outlook", None)
@@ -234,6 +248,10 @@ class Decoder:
         room = min(self.p.decode_ahead, self.p.max_new_tokens - self.generated - 1)
         if room <= 0 or self.draft is None:
             return max(0, room)
+        if self.lookup is not None and not self.lookup.dormant:
+            # the next round may verify a prompt-lookup span: no plain rounds ahead (once lookup has
+            # proposed nothing for a while, the plain rounds the policy commits to may run ahead)
+            return 0
         commit = getattr(self.p.policy, "commit_plain_rounds", None)
         return int(commit(room)) if commit is not None and self.stats.rounds >= self.draft_down_until_round else 0
 
@@ -276,7 +294,10 @@ class Decoder:
         while self.generated < self.p.max_new_tokens:
             proposal: ProposeReply | None = None
             self._draft_wall_ms = 0.0
-            if self._drafting(gamma):
+            local = self._local
+            if local:
+                proposal = ProposeReply(list(local), one_hot(local), self.draft_known, 0.0)
+            elif self._drafting(gamma):
                 if self.streamed:
                     proposal = await self._stream_span(gamma, min_conf)
                 else:
@@ -309,7 +330,8 @@ class Decoder:
             self.stats.round_overhead_ms.append(
                 max(0.0, (done - round_start) * 1e3 - verified.compute_ms - verified.queue_ms - exposed)
             )
-            self._record(gamma, proposal, draft_ids, verified, verify_wall_ms, tokens_in_pass)
+            self._record(len(local) if local else gamma, proposal, draft_ids, verified, verify_wall_ms, tokens_in_pass,
+                         local=bool(local))
             new = draft_ids[: verified.num_accepted] + ([] if verified.dead_end else [verified.next_token])
             self.stats.committed_in_rounds += len(new)
             self.committed.extend(new)
@@ -323,9 +345,10 @@ class Decoder:
 
     def _record(
         self, gamma: int, proposal: ProposeReply | None, draft_ids: list[int], verified: VerifyReply,
-        verify_wall_ms: float, tokens_in_pass: int,
+        verify_wall_ms: float, tokens_in_pass: int, local: bool = False,
     ) -> None:
-        """Counts a verified round and shows it to the policy and the metrics."""
+        """Counts a verified round and shows it to the policy and the metrics
+        (a local prompt-lookup round: to its own policy and label)."""
         self.stats.rounds += 1
         self.stats.draft_tokens += len(draft_ids)
         self.stats.accepted_tokens += verified.num_accepted
@@ -347,12 +370,17 @@ class Decoder:
             batch_tokens=verified.batch_tokens,
             requested=gamma if proposal else 0,
             streamed=self.streamed,
-            fed_tokens=self._fed_tokens if proposal else 0,
+            fed_tokens=self._fed_tokens if (proposal and not local) else 0,
         )
         self._continued = 0 < len(draft_ids) == verified.num_accepted
-        self.p.policy.observe(obs)
+        if local and self.p.lookup_policy is not None:
+            self.stats.lookup_rounds += 1
+            self.stats.lookup_tokens += len(draft_ids)
+            self.p.lookup_policy.observe(obs)
+        else:
+            self.p.policy.observe(obs)
         if self.p.sink is not None:
-            self.p.sink.on_round(obs, self.p.drafter_label)
+            self.p.sink.on_round(obs, self.p.lookup_label if local else self.p.drafter_label)
 
     # -------------------------------------------------------- draft stream
     def _draft_until(self, gamma: int) -> int:

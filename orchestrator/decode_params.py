@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from orchestrator.lookup import LocalLookup
 from orchestrator.policy import DraftLengthPolicy
 from orchestrator.protocols import RoundSink, SessionOptions
 from specdec.errors import InvalidArgument
@@ -73,3 +74,10 @@ class DecodeParams:
     # target prefills it, for draft and target on different hardware; never awaited before the
     # first token, and rounds run target-only until it is done
     draft_prefill_overlap: bool = False
+    # prompt lookup in the orchestrator (orchestrator/lookup.py; the ``auto`` drafter, unary
+    # drafting): a round whose committed suffix has a trusted earlier match verifies its
+    # continuation, with ``lookup_policy`` choosing the span, and counts under ``lookup_label``
+    lookup: LocalLookup | None = None
+    lookup_policy: DraftLengthPolicy | None = None
+    lookup_label: str = ""
+    max_lookup_tokens: int = 8  # the longest span a lookup round verifies

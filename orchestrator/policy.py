@@ -471,6 +471,11 @@ def optimal_gamma(alpha: float, c: float, gamma_max: int, verify_slope: float = 
     return best
 
 
+#: what a drafter run in the orchestrator costs per token before any round
+#: is measured (a prompt-lookup span is a few dict look-ups: microseconds)
+LOCAL_DRAFT_TOKEN_MS = 0.01
+
+
 @dataclass
 class PolicyFactory:
     """Builds one policy per request; holds the process-wide shared state
@@ -499,6 +504,17 @@ class PolicyFactory:
         self._made += 1
         return AdaptivePolicy(prior, costs, cfg, seed=self._made, update_shared=False, allow=self.allow,
                               streamed=streamed)
+
+    def make_local(self, label: str, gamma: int = 0) -> "AdaptivePolicy":
+        """The adaptive policy of a drafter the orchestrator runs itself
+        (prompt lookup, orchestrator/lookup.py), with its own shared
+        acceptance estimates under ``label``: its drafting costs nothing
+        measurable, so a round is priced at the target's verify cost."""
+        self.draft_token_ms.setdefault(label, LOCAL_DRAFT_TOKEN_MS)
+        cfg = AdaptiveConfig(**{**self.adaptive.__dict__, "gamma_max": gamma or self.adaptive.gamma_max})
+        prior, costs = self._shared(label)
+        self._made += 1
+        return AdaptivePolicy(prior, costs, cfg, seed=self._made, update_shared=False, allow=self.allow)
 
     def set_cost_priors(self, verify_curve: dict[int, float] | None = None,
                         draft_token_ms: dict[str, float] | None = None) -> None:

@@ -30,6 +30,8 @@ class RequestStats:
     draft_hidden_ms: float = 0.0  # draft compute of verified spans that ran while the target verified
     post_verified: int = 0  # rounds whose next token was a run-ahead token post-verified and accepted
     round_overhead_ms: list[float] = field(default_factory=list)  # per round: wall - target - exposed draft compute
+    lookup_rounds: int = 0  # rounds that verified the orchestrator's own prompt-lookup span (orchestrator/lookup.py)
+    lookup_tokens: int = 0  # tokens those rounds drafted (in draft_tokens too)
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
 

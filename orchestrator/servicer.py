@@ -19,6 +19,7 @@ from orchestrator.clients import GrpcDraftClient, GrpcTargetClient
 from orchestrator.config import OrchestratorConfig
 from orchestrator.decode import DRAFT_MODES, DecodeParams, Decoder, RequestStats
 from orchestrator.detokenizer import IncrementalDetokenizer, StopMatcher
+from orchestrator.lookup import LOOKUP_DRAFTER, LocalLookup
 from orchestrator.policy import AdaptiveConfig, PolicyFactory
 from orchestrator.protocols import SessionOptions
 from orchestrator.routing import Router
@@ -225,8 +226,16 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if speculate and spec.drafter in self.refused_drafters:
             raise InvalidArgument(f"speculation.drafter {spec.drafter!r} was refused at start-up: "
                                   f"{self.refused_drafters[spec.drafter]}")
-        policy = self.policies.make(mode if speculate else "off", spec.num_draft_tokens,
-                                    spec.drafter or self.default_drafter, streamed=draft_mode != "unary")
+        drafter = spec.drafter or self.default_drafter
+        policy = self.policies.make(mode if speculate else "off", spec.num_draft_tokens, drafter,
+                                    streamed=draft_mode != "unary")
+        lookup = lookup_policy = None
+        lookup_label = f"{drafter}:lookup"
+        if (speculate and mode in ("adaptive", "fixed") and drafter == LOOKUP_DRAFTER and self.cfg.local_lookup
+                and draft_mode == "unary" and grammar is None):
+            lookup = LocalLookup()
+            lookup_policy = (self.policies.make_local(lookup_label, spec.num_draft_tokens) if mode == "adaptive"
+                             else self.policies.make("fixed", spec.num_draft_tokens, lookup_label))
         return DecodeParams(
             prompt_ids=prompt_ids,
             max_new_tokens=max_new,
@@ -252,6 +261,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             options=options,
             draft_options=replace(options, top_logprobs=-1, grammar=options.grammar if self.cfg.draft_grammar else None),
             draft_prefill_overlap=self.draft_prefill_overlap,
+            lookup=lookup,
+            lookup_policy=lookup_policy,
+            lookup_label=lookup_label,
+            max_lookup_tokens=spec.num_draft_tokens or self.policies.adaptive.gamma_max,
         )
 
     # -------------------------------------------------------------- Generate
@@ -305,6 +318,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 ttft_ms=round(ttft, 1) if ttft is not None else None,
                 tokens_per_s=round(rec.emitted / wall, 2) if wall > 0 else 0.0,
                 acceptance=round(stats.acceptance_rate, 3), rounds=stats.rounds,
+                lookup_rounds=stats.lookup_rounds, lookup_tokens=stats.lookup_tokens,
                 draft_failures=stats.draft_failures, target_rebuilds=stats.target_rebuilds,
             )
         if rec.error:

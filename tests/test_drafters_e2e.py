@@ -87,6 +87,7 @@ def small_stack(tli_models: TliModels, onnx_cache_dir: Path) -> Stack:  # type: 
     drafters = [
         DrafterSpec(name="tli", model=str(tli_models.small_tli_draft), precision="fp32", kind="tli"),
         DrafterSpec(name="prompt-lookup", kind="prompt-lookup"),
+        DrafterSpec(name="auto", kind="auto", fallback="tli"),
     ]
     s = start_stack(tli_models.small_target, None, onnx_cache_dir, drafters=drafters)
     yield s
@@ -146,6 +147,25 @@ def test_greedy_speculative_equals_off_for_every_drafter(multi_stack: Stack, dra
             accepted += spec["stats"].accepted_tokens
     assert servicer.proposals[drafter] > before  # the request's drafter served it
     assert drafted > 0 and accepted > 0, (drafted, accepted)
+    multi_stack.wait_no_sessions()
+
+
+def lookup_draft_tokens(stack: Stack) -> float:
+    """Tokens the orchestrator drafted by its own prompt lookup (orchestrator/lookup.py)."""
+    return stack.orchestrator.servicer.metrics.num_draft_tokens.labels("auto:lookup")._value.get()
+
+
+def test_auto_with_local_lookup_is_greedy_identical_to_off(multi_stack: Stack) -> None:
+    """AUTO with the ``auto`` drafter: rounds whose committed suffix recurs
+    verify the orchestrator's own prompt-lookup span (no Propose call), the
+    others go to the draft service; the tokens are OFF's either way."""
+    before = lookup_draft_tokens(multi_stack)
+    for prompt in PROMPTS:
+        off = multi_stack.generate(prompt=prompt, mode="off", max_new_tokens=40)
+        spec = multi_stack.generate(prompt=prompt, mode="auto", max_new_tokens=40, drafter="auto")
+        assert spec["token_ids"] == off["token_ids"], prompt
+        assert spec["text"] == off["text"]
+    assert lookup_draft_tokens(multi_stack) > before  # the repeated prompts did take the local path
     multi_stack.wait_no_sessions()
 
 
@@ -223,6 +243,38 @@ def test_sampled_sequences_match_exact_target_distribution(
     assert_matches(counts, np.array([exact[s] for s in outcomes]))
     # negative control: the same counts against the distribution of a sampler
     # that lost its truncation or its temperature must fail
+    wrong = exact_sequence_distribution(tli_models.small_target, prompt, length, control_config(cfg))
+    assert_detects(counts, np.array([wrong[s] for s in outcomes]))
+    small_stack.wait_no_sessions()
+
+
+@pytest.mark.statistical
+def test_local_lookup_sampling_has_the_targets_distribution(small_stack: Stack, tli_models: TliModels) -> None:
+    """The ``auto`` drafter at γ = 2 (FIXED, so that the local path runs
+    whatever the policy would make of this random model), temperature 1: 3-token continuations
+    of a prompt that repeats its bigrams, where the orchestrator verifies its own
+    one-hot prompt-lookup spans in some rounds and the draft service serves
+    the others, follow the exactly enumerated target distribution (7³ = 343
+    outcomes, 2,500 seeded requests; chi-square at p < 1e-4 as above: a shift
+    of 0.029 of mass between two outcomes of probability 0.05 is detected
+    with probability 0.99). Negative control: the same counts must reject
+    the distribution at a 25 % higher temperature."""
+    # every bigram "1 x" occurs in the prompt, so whatever token comes first,
+    # the committed suffix "1 x" has an earlier match and its continuation "1"
+    # is a lookup span
+    cfg, prompt, length, n = SamplingConfig(temperature=1.0), [1, 0, 1, 2, 1, 3, 1, 4, 1, 5, 1, 6, 1], 3, 2500
+    exact = exact_sequence_distribution(tli_models.small_target, prompt, length, cfg)
+    outcomes = sorted(exact)
+    index = {s: i for i, s in enumerate(outcomes)}
+    counts = np.zeros(len(outcomes))
+    stub = small_stack.orch_stub()
+    before = lookup_draft_tokens(small_stack)
+    for seed in range(n):
+        r = small_stack.generate(stub, prompt_token_ids=prompt, max_new_tokens=length, temperature=1.0, seed=seed,
+                                 mode="fixed", gamma=2, drafter="auto")
+        counts[index[tuple(r["token_ids"])]] += 1
+    assert lookup_draft_tokens(small_stack) > before + n / 4  # the local path ran in many of the requests
+    assert_matches(counts, np.array([exact[s] for s in outcomes]))
     wrong = exact_sequence_distribution(tli_models.small_target, prompt, length, control_config(cfg))
     assert_detects(counts, np.array([wrong[s] for s in outcomes]))
     small_stack.wait_no_sessions()

@@ -1,0 +1,104 @@
+"""Prompt lookup in the orchestrator: n-gram drafting from the committed
+tokens it already holds, with no call to the draft service.
+
+The ``auto`` drafter is prompt lookup while it matches well, else the model
+drafter. Run on the draft service, every round of it costs a Propose round
+trip, and the orchestrator's policy prices the round at the model drafter's
+cost, because it cannot know beforehand which of the two will serve it.
+Against a quantized CPU target whose step costs about two model-draft tokens
+(docs/benchmarks.md), that price says speculation never pays, so ``auto``
+drafted almost nothing even where the prompt is copied token for token.
+
+Here the orchestrator looks up the suffix of its own token sequence first
+(``specdec.ngram.NgramIndex``, microseconds a round). When the match is long
+enough and trusted, the round verifies that continuation: q is one-hot, the
+verifier's docs/design.md rule 3, exactly as the draft service's
+prompt-lookup drafter would send it. Its span length comes from its own
+policy, whose costs are the target's verify curve alone (a local lookup
+costs no drafting). Otherwise the round is the model drafter's, chosen and
+priced by the request's usual policy. Which path a round takes depends only
+on the committed tokens, known before its verification, so the output's
+distribution is the target's (rules 3 and 5).
+
+Trust: the candidate's first token, proposed or not, is scored against the
+token the target then commits at that position (an exponential moving
+average of hits, as ``AutoDrafter`` scores it), every round, also the rounds
+that do not draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from specdec.ngram import NgramIndex
+from specdec.sampling import SparseQ
+
+_ONE = np.ones(1, dtype=np.float32)
+
+#: the drafter name whose requests get prompt lookup in the orchestrator
+LOOKUP_DRAFTER = "auto"
+
+
+@dataclass
+class LocalLookup:
+    """One request's prompt-lookup state over its committed tokens."""
+
+    min_ngram: int = 2  # the shortest matched suffix that is trusted to draft
+    max_ngram: int = 4
+    threshold: float = 0.5  # trusted while the hit score is at least this
+    decay: float = 0.7
+    score: float = 1.0
+    index: NgramIndex = field(init=False)
+    _pending: tuple[int, int] | None = None  # (position, token) the last candidate predicted
+    hits: int = 0  # scored candidates whose first token the target committed
+    scored: int = 0
+    idle: int = 0  # rounds in a row that verified no lookup span
+    #: rounds in a row without a lookup span after which lookup counts as
+    #: dormant: plain rounds may then run ahead on the target (decode-ahead
+    #: hides each round's round trip; a span that turns up after all stops
+    #: the run ahead, wasting at most the step in flight)
+    dormant_after: int = 8
+
+    def __post_init__(self) -> None:
+        self.index = NgramIndex(1, self.max_ngram)
+
+    @property
+    def trusted(self) -> bool:
+        """Whether a match would be proposed now (the hit score is at the threshold)."""
+        return self.score >= self.threshold
+
+    @property
+    def dormant(self) -> bool:
+        return self.idle >= self.dormant_after
+
+    def note_round(self, verified_span: bool) -> None:
+        """Whether the round just chosen verifies a lookup span."""
+        self.idle = 0 if verified_span else self.idle + 1
+
+    def candidate(self, committed: Sequence[int], max_tokens: int) -> list[int]:
+        """The continuation to verify next (at most ``max_tokens``), or []
+        when there is no trusted match. Scores the previous candidate against
+        what was committed since."""
+        if self._pending is not None:
+            pos, tok = self._pending
+            if pos < len(committed):
+                hit = committed[pos] == tok
+                self.score = self.decay * self.score + (1.0 - self.decay) * float(hit)
+                self.hits += int(hit)
+                self.scored += 1
+                self._pending = None
+        self.index.sync(committed)
+        n, ids = self.index.lookup(max_tokens) if max_tokens > 0 else (0, [])
+        if ids:
+            self._pending = (len(committed), int(ids[0]))
+        if not ids or n < self.min_ngram or not self.trusted:
+            return []
+        return [int(x) for x in ids]
+
+
+def one_hot(ids: Sequence[int]) -> list[SparseQ]:
+    """q of a model-free proposal: each token with probability 1."""
+    return [(np.array([x], dtype=np.int32), _ONE.copy()) for x in ids]

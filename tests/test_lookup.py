@@ -1,0 +1,74 @@
+"""Prompt lookup in the orchestrator (orchestrator/lookup.py): which
+continuation a request's own tokens propose, when it is trusted, and when
+plain rounds may run ahead. Plain Python, no services (the end-to-end
+behaviour is in tests/test_drafters_e2e.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from orchestrator.lookup import LocalLookup, one_hot
+from orchestrator.policy import LOCAL_DRAFT_TOKEN_MS, PolicyFactory
+
+
+def test_the_most_recent_earlier_occurrence_of_the_longest_suffix_is_continued() -> None:
+    lk = LocalLookup()
+    #             0  1  2  3  4  5  6  7  8  9
+    committed = [5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6, 7]
+    # suffix [5, 6, 7] (and [6, 7]) last occurred at 5..7, followed by 1, 2, 5, ...
+    assert lk.candidate(committed, 3) == [1, 2, 5]
+    assert lk.candidate(committed + [1], 8) == [2, 5, 6, 7, 1]  # up to the end of the sequence
+
+
+def test_a_one_token_match_is_not_proposed() -> None:
+    lk = LocalLookup()
+    assert lk.candidate([1, 2, 3, 4, 2], 4) == []  # only "2" recurs
+    assert lk.candidate([1, 2, 3, 4, 2, 3], 4) == [4, 2, 3]  # "2 3" recurs
+
+
+def test_misses_take_trust_away_and_a_hit_gives_it_back() -> None:
+    lk = LocalLookup()
+    seq = [1, 2, 3, 1, 2]
+    assert lk.candidate(seq, 2) == [3, 1]  # predicts 3 at position 5
+    seq.append(9)  # the target committed 9: a miss (score 0.7)
+    seq += [1, 2]
+    assert lk.candidate(seq, 2) == [9, 1]  # still trusted; predicts 9 at position 8
+    seq.append(4)  # a second miss: 0.49 < 0.5
+    seq += [1, 2]
+    assert lk.candidate(seq, 2) == []  # a match, but no longer trusted (it is still scored)
+    assert not lk.trusted
+    seq.append(4)  # the untrusted candidate's token was right: 0.64
+    assert lk.candidate(seq, 2) != [] and lk.trusted
+    assert (lk.hits, lk.scored) == (1, 3)
+
+
+def test_lookup_goes_dormant_after_rounds_without_a_span() -> None:
+    lk = LocalLookup(dormant_after=3)
+    for _ in range(2):
+        lk.note_round(False)
+    assert not lk.dormant
+    lk.note_round(False)
+    assert lk.dormant
+    lk.note_round(True)
+    assert not lk.dormant and lk.idle == 0
+
+
+def test_one_hot_q_is_what_the_verifier_reads_as_a_model_free_draft() -> None:
+    q = one_hot([7, 3])
+    assert [ids.tolist() for ids, _ in q] == [[7], [3]]
+    assert all(p.dtype == np.float32 and p.tolist() == [1.0] for _, p in q)
+
+
+def test_the_lookup_policy_prices_drafting_at_nothing() -> None:
+    """The local policy's shared cost model starts from a verify curve and a
+    draft cost of LOCAL_DRAFT_TOKEN_MS, not the 20 ms default of a model
+    drafter: with a flat verify curve it drafts from the first round."""
+    factory = PolicyFactory()
+    factory.set_cost_priors({1: 40.0, 2: 41.0, 3: 42.0, 4: 43.0, 5: 44.0, 6: 45.0, 7: 46.0, 8: 47.0, 9: 48.0})
+    policy = factory.make_local("auto:lookup")
+    assert factory.draft_token_ms["auto:lookup"] == LOCAL_DRAFT_TOKEN_MS
+    assert policy.costs.draft_ms(4, False, False) < 1.0
+    assert policy.next_gamma() > 0
+    # the model drafter's own label keeps its own costs
+    model = factory.make("adaptive", 0, "auto")
+    assert model.costs is not policy.costs
