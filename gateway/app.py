@@ -177,21 +177,35 @@ class Gateway:
     @staticmethod
     async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
         """``work``, or :class:`_Gone` as soon as the client disconnects
-        (``work`` is cancelled then)."""
-        async def gone() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
+        (``work`` is cancelled then). ``work`` runs in the request's own task;
+        the one task this adds watches for the disconnect and cancels it (a
+        task for ``work`` and ``asyncio.wait`` cost a task, a future and their
+        callbacks more per request)."""
+        this = asyncio.current_task()
+        assert this is not None
+        gone = False
 
-        task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+        async def watch() -> None:
+            nonlocal gone
+            try:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+            except Exception:  # a receive that fails ends the request as a disconnect does
+                pass
+            gone = True
+            this.cancel()
+
+        watcher = asyncio.ensure_future(watch())
         try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            return await work
+        except asyncio.CancelledError:
+            # ours (the watcher's) unless someone else cancelled this task too
+            uncancel = getattr(this, "uncancel", None)  # Python 3.11+
+            if gone and (uncancel is None or uncancel() == 0):
+                raise _Gone() from None
+            raise
         finally:
-            watch.cancel()
-            if not task.done():
-                task.cancel()
-        if not task.done() or task.cancelled():
-            raise _Gone()
-        return task.result()
+            watcher.cancel()
 
     async def generate(self, request: Request, kind: str) -> Response:
         rec = _Access(route=request.scope["path"], started=time.perf_counter())

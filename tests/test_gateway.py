@@ -1,7 +1,8 @@
 """The OpenAI-compatible gateway against a real tiny stack on loopback,
 driven by the official ``openai`` client (the PyPI package): chat and
 completions, streamed and not, logprobs, refused parameters, cancelled
-streams, bearer tokens passed through, and the gRPC -> HTTP status mapping."""
+streams and requests, bearer tokens passed through, and the gRPC -> HTTP
+status mapping."""
 
 from __future__ import annotations
 
@@ -302,6 +303,14 @@ def orchestrator_count(stack: Stack, code: str) -> float:
     return stack.orchestrator.servicer.metrics.requests.labels("NONE", code)._value.get()
 
 
+def assert_one_more_cancelled(stack: Stack, before: float) -> None:
+    """The orchestrator counts one more CANCELLED request than ``before`` (within 10 s)."""
+    deadline = time.monotonic() + 10
+    while orchestrator_count(stack, "CANCELLED") == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert orchestrator_count(stack, "CANCELLED") == before + 1
+
+
 def test_a_cancelled_stream_frees_its_sessions(stack: Stack, gateway: Any) -> None:
     """Closing the HTTP response mid-stream cancels the Generate call: the
     orchestrator counts it CANCELLED and both services release the sessions."""
@@ -315,10 +324,32 @@ def test_a_cancelled_stream_frees_its_sessions(stack: Stack, gateway: Any) -> No
     assert stack.target_sessions() == 1
     stream.close()
     stack.assert_clean()
-    deadline = time.monotonic() + 10
-    while orchestrator_count(stack, "CANCELLED") == before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert orchestrator_count(stack, "CANCELLED") == before + 1
+    assert_one_more_cancelled(stack, before)
+
+
+def test_a_client_gone_before_the_response_cancels_generate(stack: Stack, gateway: Any) -> None:
+    """A client that disconnects while a non-streamed response is being
+    generated cancels the Generate call (the orchestrator counts it CANCELLED,
+    the sessions are released), and the gateway goes on serving."""
+    import socket
+    from urllib.parse import urlsplit
+
+    before = orchestrator_count(stack, "CANCELLED")
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "a long one"}], "max_tokens": 400,
+                       "temperature": 0, "ignore_eos": True, **SPEC}).encode()
+    u = urlsplit(gateway.url)
+    with socket.create_connection((u.hostname, u.port), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + TOKEN.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
+                  + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 30
+        while stack.target_sessions() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stack.target_sessions() == 1
+    stack.assert_clean()
+    assert_one_more_cancelled(stack, before)
+    out = client(gateway).completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0)
+    assert out.usage.completion_tokens == 2
 
 
 def test_models_health_ready_and_bad_bodies(stack: Stack, gateway: Any) -> None:
