@@ -46,8 +46,8 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "", *, spin_defau
           help=f"comma-separated drafters the draft service hosts (built-ins: {DEFAULT_DRAFTERS}; "
                f"{AUTO_DRAFTER}: prompt lookup while it matches well, else the model drafter)")
     f.add("default-drafter", prefixed=False, default=None,
-          help=f"drafter for requests that name none (default: {MODEL_DRAFTER} when hosted, else the first; "
-               "docs/drafters.md has the measurements behind it)")
+          help=f"drafter for requests that name none (default: {AUTO_DRAFTER} when hosted, else {MODEL_DRAFTER}, "
+               "else the first; docs/drafters.md has the measurements behind it)")
     f.add("tli-model", dest="tli_model", default=DEFAULT_TLI_MODEL,
           help=f"model of the {TLI_DRAFTER} (different-tokenizer) drafter")
     f.add("tli-precision", dest="tli_precision", default="int4", choices=PRECISIONS,
@@ -113,8 +113,8 @@ def config_from_args(a: argparse.Namespace, port: int) -> DraftServiceConfig:
     hosted = [d.name for d in specs]
     if a.default_drafter is not None:
         default = model_name if a.default_drafter == MODEL_DRAFTER and model_name in hosted else a.default_drafter
-    else:
-        default = model_name if model_name in hosted else hosted[0]
+    else:  # auto, then the model drafter, then the first (docs/drafters.md has the measurements behind it)
+        default = AUTO_DRAFTER if AUTO_DRAFTER in hosted else model_name if model_name in hosted else hosted[0]
     return validated(DraftServiceConfig(
         host=a.host, port=port, drafters=specs, default_drafter=default,
         target_tokenizer=getattr(a, "target_tokenizer", None) or DEFAULT_TARGET,  # `specdec up` wires it itself

@@ -211,10 +211,11 @@ def test_auto_drafter_uses_prompt_lookup_while_it_matches() -> None:
 
 
 @pytest.mark.parametrize("argv, hosted, default", [
-    # the defaults: all four built-ins hosted, the model drafter serving requests that name none
-    ([], ["qwen2.5-coder-0.5b", "smollm2-135m", "prompt-lookup", "auto"], "qwen2.5-coder-0.5b"),
-    # the model drafter wherever it is listed; without it, the first hosted
-    (["--drafters", "prompt-lookup,auto,qwen2.5-coder-0.5b"], ["prompt-lookup", "auto", "qwen2.5-coder-0.5b"],
+    # the defaults: all four built-ins hosted, auto serving requests that name none
+    ([], ["qwen2.5-coder-0.5b", "smollm2-135m", "prompt-lookup", "auto"], "auto"),
+    # auto wherever it is listed; without it the model drafter; without both, the first hosted
+    (["--drafters", "prompt-lookup,auto,qwen2.5-coder-0.5b"], ["prompt-lookup", "auto", "qwen2.5-coder-0.5b"], "auto"),
+    (["--drafters", "prompt-lookup,qwen2.5-coder-0.5b"], ["prompt-lookup", "qwen2.5-coder-0.5b"],
      "qwen2.5-coder-0.5b"),
     (["--drafters", "smollm2-135m,prompt-lookup"], ["smollm2-135m", "prompt-lookup"], "smollm2-135m"),
     # an explicit choice always wins
