@@ -62,9 +62,8 @@ class Decoder:
         self.stream_known = 0  # committed tokens the stream has been sent
         self.stream_drafted = 0  # committed tokens the stream had drafted after at its last span
         self._warm: asyncio.Future[None] | None = None  # the draft's overlapped prompt prefill (draft_prefill_overlap)
-        # prompt lookup in the orchestrator (unary drafting only): this round's span, when it has one
-        self.lookup = params.lookup if (self.draft is not None and not self.streamed) else None
-        self._local: list[int] = []
+        self.lookup = params.lookup if (self.draft is not None and not self.streamed) else None  # unary only
+        self._local: list[int] = []  # this round's prompt-lookup span (orchestrator/lookup.py), if it has one
 
     # --------------------------------------------------------------- helpers
     def _prefill_timeout(self, tokens: int) -> float:
@@ -220,18 +219,15 @@ class Decoder:
 
     # ------------------------------------------------------------------ loop
     def _choose(self) -> tuple[int, float]:
-        """(γ, confidence stop) for the next round, from what is known now.
-        A round that verifies a local prompt-lookup span (``self._local``)
-        asks the draft for nothing (γ = 0)."""
+        """(γ, confidence stop) for the next round, from what is known now; a round
+        that verifies a prompt-lookup span (``self._local``) asks the draft for nothing."""
         self._local = []
         remaining = self.p.max_new_tokens - self.generated
         if remaining <= 0:
             return 0, 0.0
         if self.lookup is not None and self.p.lookup_policy is not None:
-            ids = self.lookup.candidate(self.committed, min(self.p.max_lookup_tokens, remaining - 1))
-            if ids:
-                self._local = ids[: min(self.p.lookup_policy.next_gamma(), len(ids))]
-            self.lookup.note_round(bool(self._local))
+            self._local = self.lookup.next_span(self.committed, min(self.p.max_lookup_tokens, remaining - 1),
+                                                self.p.lookup_policy)
             if self._local:
                 return 0, 0.0
         if self._warming():  # the draft is still taking the prompt in: plain rounds meanwhile
@@ -248,9 +244,7 @@ class Decoder:
         room = min(self.p.decode_ahead, self.p.max_new_tokens - self.generated - 1)
         if room <= 0 or self.draft is None:
             return max(0, room)
-        if self.lookup is not None and not self.lookup.dormant:
-            # the next round may verify a prompt-lookup span: no plain rounds ahead (once lookup has
-            # proposed nothing for a while, the plain rounds the policy commits to may run ahead)
+        if self.lookup is not None and not self.lookup.dormant:  # the next round may verify a lookup span
             return 0
         commit = getattr(self.p.policy, "commit_plain_rounds", None)
         return int(commit(room)) if commit is not None and self.stats.rounds >= self.draft_down_until_round else 0
@@ -373,12 +367,9 @@ class Decoder:
             fed_tokens=self._fed_tokens if (proposal and not local) else 0,
         )
         self._continued = 0 < len(draft_ids) == verified.num_accepted
-        if local and self.p.lookup_policy is not None:
-            self.stats.lookup_rounds += 1
-            self.stats.lookup_tokens += len(draft_ids)
-            self.p.lookup_policy.observe(obs)
-        else:
-            self.p.policy.observe(obs)
+        if local:
+            self.stats.count_lookup_round(len(draft_ids))
+        (self.p.lookup_policy if local and self.p.lookup_policy is not None else self.p.policy).observe(obs)
         if self.p.sink is not None:
             self.p.sink.on_round(obs, self.p.lookup_label if local else self.p.drafter_label)
 

@@ -33,6 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
+from orchestrator.policy import DraftLengthPolicy
 from specdec.ngram import NgramIndex
 from specdec.sampling import SparseQ
 
@@ -77,6 +78,14 @@ class LocalLookup:
     def note_round(self, verified_span: bool) -> None:
         """Whether the round just chosen verifies a lookup span."""
         self.idle = 0 if verified_span else self.idle + 1
+
+    def next_span(self, committed: Sequence[int], max_tokens: int, policy: DraftLengthPolicy) -> list[int]:
+        """The span the next round verifies ([] = none): the trusted
+        candidate, as long as ``policy`` chooses."""
+        ids = self.candidate(committed, max_tokens)
+        span = ids[: min(policy.next_gamma(), len(ids))] if ids else []
+        self.note_round(bool(span))
+        return span
 
     def candidate(self, committed: Sequence[int], max_tokens: int) -> list[int]:
         """The continuation to verify next (at most ``max_tokens``), or []

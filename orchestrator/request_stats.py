@@ -35,6 +35,10 @@ class RequestStats:
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
 
+    def count_lookup_round(self, drafted: int) -> None:
+        self.lookup_rounds += 1
+        self.lookup_tokens += drafted
+
     @property
     def mean_accepted_length(self) -> float:
         return self.committed_in_rounds / self.rounds if self.rounds else 0.0
