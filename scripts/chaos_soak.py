@@ -116,7 +116,11 @@ class Soak:
         logs.mkdir(parents=True, exist_ok=True)
         cache = str(Path(self.a.cache_dir or self.out / "cache"))
         common = ["--cache-dir", cache]
-        t_args = [*common, "--model", str(target), "--dtype", "float32", "--threads", "1"]
+        # one numerics for both replicas, as a pool is deployed: left to calibrate, two replicas of the
+        # tiny model can time eager and packed differently and choose apart, and a session is then only
+        # rebuilt on a replica of its own numerics (orchestrator/routing.py), so a killed replica's
+        # streams ended UNAVAILABLE with the other one alive
+        t_args = [*common, "--model", str(target), "--dtype", "float32", "--backend", "eager", "--threads", "1"]
         self.draft = Service("draft", "draft", [*common, "--model", str(draft), "--precision", "fp32", "--threads", "1",
                                                 "--drafters", "qwen2.5-coder-0.5b,prompt-lookup,auto",
                                                 "--target-tokenizer", str(target)], logs)
