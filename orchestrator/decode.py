@@ -244,10 +244,11 @@ class Decoder:
         room = min(self.p.decode_ahead, self.p.max_new_tokens - self.generated - 1)
         if room <= 0 or self.draft is None:
             return max(0, room)
-        if self.lookup is not None and not self.lookup.dormant:  # the next round may verify a lookup span
-            return 0
+        if self.lookup is not None:  # lookup spans may come next: ahead only while it is dormant, a few at a time
+            room = self.lookup.ahead_room(room)
         commit = getattr(self.p.policy, "commit_plain_rounds", None)
-        return int(commit(room)) if commit is not None and self.stats.rounds >= self.draft_down_until_round else 0
+        n = int(commit(room)) if room > 0 and commit is not None and self.stats.rounds >= self.draft_down_until_round else 0
+        return self.lookup.promised(n) if self.lookup is not None else n
 
     def _drafting(self, gamma: int) -> bool:
         return gamma > 0 and self.draft is not None and self.stats.rounds >= self.draft_down_until_round

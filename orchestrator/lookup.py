@@ -62,6 +62,10 @@ class LocalLookup:
     #: hides each round's round trip; a span that turns up after all stops
     #: the run ahead, wasting at most the step in flight)
     dormant_after: int = 8
+    #: plain rounds the target was asked to decode ahead (a promise: a span
+    #: in one of them would stop the run in mid-step and put the target's
+    #: session out of step with the committed tokens, a rebuild)
+    promised_rounds: int = 0
 
     def __post_init__(self) -> None:
         self.index = NgramIndex(1, self.max_ngram)
@@ -75,6 +79,20 @@ class LocalLookup:
     def dormant(self) -> bool:
         return self.idle >= self.dormant_after
 
+    def ahead_room(self, room: int) -> int:
+        """How many plain rounds the target may decode ahead: none while
+        lookup may propose, at most ``dormant_after`` at a time while it is
+        dormant (so it is asked again that often)."""
+        return min(room, self.dormant_after) if self.dormant else 0
+
+    def promised(self, rounds: int) -> int:
+        """A new grant: the next ``rounds`` rounds are plain (decoded ahead).
+        0 (a plain round inside a grant, asking for nothing more) leaves the
+        rounds still promised as they are."""
+        if rounds > 0:
+            self.promised_rounds = rounds
+        return rounds
+
     def note_round(self, verified_span: bool) -> None:
         """Whether the round just chosen verifies a lookup span."""
         self.idle = 0 if verified_span else self.idle + 1
@@ -82,7 +100,10 @@ class LocalLookup:
     def next_span(self, committed: Sequence[int], max_tokens: int, policy: DraftLengthPolicy) -> list[int]:
         """The span the next round verifies ([] = none): the trusted
         candidate, as long as ``policy`` chooses."""
-        ids = self.candidate(committed, max_tokens)
+        ids = self.candidate(committed, max_tokens)  # scored and indexed every round
+        if self.promised_rounds > 0:
+            self.promised_rounds -= 1
+            ids = []
         span = ids[: min(policy.next_gamma(), len(ids))] if ids else []
         self.note_round(bool(span))
         return span

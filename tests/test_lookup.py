@@ -72,3 +72,24 @@ def test_the_lookup_policy_prices_drafting_at_nothing() -> None:
     # the model drafter's own label keeps its own costs
     model = factory.make("adaptive", 0, "auto")
     assert model.costs is not policy.costs
+
+
+def test_rounds_promised_to_decode_ahead_verify_no_span() -> None:
+    """While lookup is dormant the target may decode a few plain rounds
+    ahead; those rounds must stay plain (a span would stop the run in
+    mid-step and put the target's session out of step), and lookup is
+    asked again after them."""
+    factory = PolicyFactory()
+    factory.set_cost_priors({k: 40.0 + k for k in range(1, 10)})
+    policy = factory.make_local("auto:lookup")
+    lk = LocalLookup(dormant_after=3)
+    assert lk.ahead_room(16) == 0  # not dormant: no plain rounds ahead
+    for _ in range(3):
+        lk.note_round(False)
+    assert lk.ahead_room(16) == 3 and lk.ahead_room(2) == 2  # dormant: a few at a time
+    seq = [1, 2, 3, 1, 2]  # "1 2" recurs: a trusted candidate every round
+    assert lk.promised(2) == 2
+    assert lk.next_span(seq, 4, policy) == []
+    assert lk.promised(0) == 0  # the plain round inside the grant asks for nothing more: the promise stands
+    assert lk.next_span(seq, 4, policy) == []
+    assert lk.next_span(seq, 4, policy) != []
