@@ -173,23 +173,10 @@ def main() -> int:
     lines += ["", "Bit-identical to the first source: " + (", ".join(f"{k}: {v}" for k, v in identical.items()) or "-")]
     md = "\n".join(lines) + "\n"
     (a.out / "results.md").write_text(md)
-    try:
-        import matplotlib
+    from specdec_app.bench_report import plot_curves
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for n in names:
-            ax.plot(rows, [med[n][m] for m in rows], marker="o", label=n)
-        ax.set_xlabel("rows M (tokens in the pass)")
-        ax.set_ylabel("ms, all linear layers")
-        ax.set_title(f"kquant A/B ({which}, {a.acts})")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(a.out / "kquant_ab.png", dpi=120)
-    except ImportError:
-        pass
+    plot_curves({n: med[n] for n in names}, a.out / "kquant_ab.png",
+                f"kquant A/B ({which}, {a.acts}): all linear layers, ms per pass of k rows")
     print(md)
     return 0 if all(identical.values()) else 1
 
