@@ -58,9 +58,8 @@ class LocalLookup:
     scored: int = 0
     idle: int = 0  # rounds in a row that verified no lookup span
     #: rounds in a row without a lookup span after which lookup counts as
-    #: dormant: plain rounds may then run ahead on the target (decode-ahead
-    #: hides each round's round trip; a span that turns up after all stops
-    #: the run ahead, wasting at most the step in flight)
+    #: dormant: plain rounds may then run ahead on the target, this many at
+    #: a time (decode-ahead hides each round's round trip)
     dormant_after: int = 8
     #: plain rounds the target was asked to decode ahead (a promise: a span
     #: in one of them would stop the run in mid-step and put the target's

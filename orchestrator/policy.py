@@ -511,10 +511,9 @@ class PolicyFactory:
         acceptance estimates under ``label``: its drafting costs nothing
         measurable, so a round is priced at the target's verify cost."""
         self.draft_token_ms.setdefault(label, LOCAL_DRAFT_TOKEN_MS)
-        cfg = AdaptiveConfig(**{**self.adaptive.__dict__, "gamma_max": gamma or self.adaptive.gamma_max})
-        prior, costs = self._shared(label)
-        self._made += 1
-        return AdaptivePolicy(prior, costs, cfg, seed=self._made, update_shared=False, allow=self.allow)
+        policy = self.make("adaptive", gamma, label)
+        assert isinstance(policy, AdaptivePolicy)
+        return policy
 
     def set_cost_priors(self, verify_curve: dict[int, float] | None = None,
                         draft_token_ms: dict[str, float] | None = None) -> None:
