@@ -21,12 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
-
 from draft_service.drafter import Drafter, DraftRequest, Proposal
 from specdec.ngram import NgramIndex
-
-_ONE = np.ones(1, dtype=np.float32)
+from specdec.sampling import one_hot_q
 
 
 @dataclass
@@ -74,7 +71,7 @@ class PromptLookupDrafter(Drafter):
             state.misses += 1
             return Proposal([], [])
         state.hits += 1
-        q = [(np.array([x], dtype=np.int32), _ONE.copy()) for x in ids]
+        q = one_hot_q(ids)
         return Proposal(list(ids), q, 0, [1.0] * len(ids))
 
 
@@ -156,7 +153,7 @@ class AutoDrafter(Drafter):
             state.pending = (len(committed), ids[0])
         if ids and n >= self.min_ngram and state.score >= self.threshold:
             state.used_lookup += 1
-            q = [(np.array([x], dtype=np.int32), _ONE.copy()) for x in ids]
+            q = one_hot_q(ids)
             return Proposal(list(ids), q, 0, [1.0] * len(ids))
         state.used_model += 1
         return self.model.draft(state.model, req)

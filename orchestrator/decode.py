@@ -22,7 +22,6 @@ from typing import Any, AsyncIterator
 from orchestrator.decode_params import (  # noqa: F401  (re-exported: the loop's public types)
     DRAFT_MODES, DRAFT_S_PER_TOKEN, MAX_REBUILDS_PER_ROUND, PREFILL_S_PER_TOKEN, DecodeParams, Step, UnknownDrafter,
 )
-from orchestrator.lookup import one_hot
 from orchestrator.policy import RoundObservation
 from orchestrator.request_stats import RequestStats
 from orchestrator.protocols import DraftClient, DraftStream, PostToken, ProposeReply, TargetClient, VerifyReply
@@ -31,7 +30,7 @@ from specdec.errors import (
     DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SpecdecError, Unavailable,
 )
 from specdec.logging_util import log
-from specdec.sampling import SparseQ
+from specdec.sampling import SparseQ, one_hot_q
 
 logger = logging.getLogger("specdec.orchestrator")
 
@@ -291,7 +290,7 @@ class Decoder:
             self._draft_wall_ms = 0.0
             local = self._local
             if local:
-                proposal = ProposeReply(list(local), one_hot(local), self.draft_known, 0.0)
+                proposal = ProposeReply(list(local), one_hot_q(local), self.draft_known, 0.0)
             elif self._drafting(gamma):
                 if self.streamed:
                     proposal = await self._stream_span(gamma, min_conf)

@@ -31,13 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
-
 from orchestrator.policy import DraftLengthPolicy
 from specdec.ngram import NgramIndex
-from specdec.sampling import SparseQ
-
-_ONE = np.ones(1, dtype=np.float32)
 
 #: the drafter name whose requests get prompt lookup in the orchestrator
 LOOKUP_DRAFTER = "auto"
@@ -127,7 +122,3 @@ class LocalLookup:
             return []
         return [int(x) for x in ids]
 
-
-def one_hot(ids: Sequence[int]) -> list[SparseQ]:
-    """q of a model-free proposal: each token with probability 1."""
-    return [(np.array([x], dtype=np.int32), _ONE.copy()) for x in ids]

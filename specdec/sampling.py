@@ -184,6 +184,12 @@ def logit_gaps(logits: torch.Tensor) -> list[float]:
 SparseQ = tuple[np.ndarray, np.ndarray]  # (ids [K], probs [K]): one sparse draft distribution
 
 
+def one_hot_q(ids: Sequence[int]) -> list[SparseQ]:
+    """q of a model-free proposal (prompt lookup): each token with
+    probability 1, which the verifier treats as docs/design.md rule 3."""
+    return [(np.array([x], dtype=np.int32), np.ones(1, dtype=np.float32)) for x in ids]
+
+
 @dataclass(frozen=True)
 class VerifyResult:
     num_accepted: int  # accepted drafted tokens (a prefix of the span)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from orchestrator.lookup import LocalLookup, one_hot
+from orchestrator.lookup import LocalLookup
 from orchestrator.policy import LOCAL_DRAFT_TOKEN_MS, PolicyFactory
+from specdec.sampling import one_hot_q
 
 
 def test_the_most_recent_earlier_occurrence_of_the_longest_suffix_is_continued() -> None:
@@ -54,7 +55,7 @@ def test_lookup_goes_dormant_after_rounds_without_a_span() -> None:
 
 
 def test_one_hot_q_is_what_the_verifier_reads_as_a_model_free_draft() -> None:
-    q = one_hot([7, 3])
+    q = one_hot_q([7, 3])
     assert [ids.tolist() for ids, _ in q] == [[7], [3]]
     assert all(p.dtype == np.float32 and p.tolist() == [1.0] for _, p in q)
 
