@@ -186,9 +186,12 @@ class GrpcTargetClient(_GrpcClient):
         post: PostToken | None = None,
         ahead: int = 0,
         stop_ids: Collection[int] = (),
+        ahead_lookup: int = 0,
     ) -> VerifyReply:
         """``ahead``/``stop_ids``: decode-ahead for a plain round (see the
-        class); ignored for a round with a drafted span or without a stream."""
+        class); ignored for a round with a drafted span or without a stream.
+        ``ahead_lookup``: the run's steps may verify the target's own lookup
+        span of at most this many tokens; ``ahead`` then counts tokens."""
         plain = not draft_ids and post is None
         pending = self._ahead.pop(session_id, None)
         req: target_pb2.VerifyRequest | None = None
@@ -212,6 +215,7 @@ class GrpcTargetClient(_GrpcClient):
             if plain and ahead > 0 and self.verify_stream:
                 req.decode_ahead = ahead
                 req.stop_token_ids.extend(sorted(stop_ids))
+                req.ahead_lookup_tokens = max(0, ahead_lookup)
         r = await self._verify_rpc(session_id, req, timeout)
         if r.ahead_left and self.verify_stream:
             self._ahead[session_id] = (r.cache_len, r.next_token_id)
@@ -228,6 +232,8 @@ class GrpcTargetClient(_GrpcClient):
             r.next_is_post,
             logprobs_from_proto(r.logprobs),
             r.grammar_dead_end,
+            list(r.self_drafted_token_ids),
+            int(r.ahead_left) if self.verify_stream else 0,
         )
 
 

@@ -5,11 +5,9 @@ round (``unary``) or from the request's draft stream (``stream``,
 ``run-ahead``: ``specdec/draft_chain.py`` ``ChainTracker`` decides which streamed tokens may
 be verified; docs/architecture.md "Draft streams and run-ahead").
 
-The loop talks to the services through the small ``TargetClient`` and
-``DraftClient`` protocols (orchestrator/protocols.py), so it can be
-exercised without gRPC. The
-orchestrator holds the authoritative token sequence (``committed``); the
-services' KV caches are caches of it.
+The loop talks to the services through the ``TargetClient`` and ``DraftClient``
+protocols (orchestrator/protocols.py), so it runs without gRPC. It holds the
+authoritative token sequence (``committed``); the services' KV caches are caches of it.
 """
 
 from __future__ import annotations
@@ -63,12 +61,12 @@ class Decoder:
         self._warm: asyncio.Future[None] | None = None  # the draft's overlapped prompt prefill (draft_prefill_overlap)
         self.lookup = params.lookup if (self.draft is not None and not self.streamed) else None  # unary only
         self._local: list[int] = []  # this round's prompt-lookup span (orchestrator/lookup.py), if it has one
+        self._ahead_lookup = self._run_left = 0  # a run's own-span cap; the last reply's ahead_left (a run is on its way)
 
     # --------------------------------------------------------------- helpers
     def _prefill_timeout(self, tokens: int) -> float:
-        """A prefill's own cap: ``target_timeout_s`` plus 120 ms a prompt token
-        (a 4,000-token prompt prefilled in small chunks beside busy streams
-        outlasts a fixed 120 s); the request's deadline still bounds it."""
+        """A prefill's own cap: ``target_timeout_s`` plus 120 ms a prompt token (a 4,000-token
+        prompt chunked beside busy streams outlasts 120 s); the request's deadline still bounds it."""
         return self.p.target_timeout_s + PREFILL_S_PER_TOKEN * tokens
 
     def _draft_timeout(self, tokens: int) -> float:
@@ -239,15 +237,20 @@ class Decoder:
 
     def _ahead(self) -> int:
         """Plain rounds after this plain one that the target may decode ahead:
-        all of them without a drafter, else those the policy commits to."""
+        all of them without a drafter, else those the policy commits to (with
+        lookup, see LocalLookup.ahead_room and .grant)."""
+        self._ahead_lookup = 0
         room = min(self.p.decode_ahead, self.p.max_new_tokens - self.generated - 1)
         if room <= 0 or self.draft is None:
             return max(0, room)
-        if self.lookup is not None:  # lookup spans may come next: ahead only while it is dormant, a few at a time
+        if self.lookup is not None:
             room = self.lookup.ahead_room(room)
         commit = getattr(self.p.policy, "commit_plain_rounds", None)
         n = int(commit(room)) if room > 0 and commit is not None and self.stats.rounds >= self.draft_down_until_round else 0
-        return self.lookup.promised(n) if self.lookup is not None else n
+        if self.lookup is None or self._run_left:  # a run still on its way serves the round
+            return n
+        n, self._ahead_lookup = self.lookup.grant(n, room, self.p.policy, self.p.lookup_policy, self.p.max_lookup_tokens)
+        return n
 
     def _drafting(self, gamma: int) -> bool:
         return gamma > 0 and self.draft is not None and self.stats.rounds >= self.draft_down_until_round
@@ -324,8 +327,9 @@ class Decoder:
             self.stats.round_overhead_ms.append(
                 max(0.0, (done - round_start) * 1e3 - verified.compute_ms - verified.queue_ms - exposed)
             )
-            self._record(len(local) if local else gamma, proposal, draft_ids, verified, verify_wall_ms, tokens_in_pass,
-                         local=bool(local))
+            self._record(len(draft_ids) if verified.drafted else len(local) if local else gamma, proposal, draft_ids,
+                         verified, verify_wall_ms, tokens_in_pass + len(verified.drafted),
+                         local=bool(local or verified.drafted))
             new = draft_ids[: verified.num_accepted] + ([] if verified.dead_end else [verified.next_token])
             self.stats.committed_in_rounds += len(new)
             self.committed.extend(new)
@@ -496,17 +500,12 @@ class Decoder:
     async def _verify(
         self, draft_ids: list[int], q: list[SparseQ], post: PostToken | None = None, ahead: int = 0
     ) -> tuple[VerifyReply, list[int]]:
-        """Verifies the round; returns the reply and the drafted ids it
-        verified (empty when the target refused the draft's part).
-
-        NOT_FOUND: the replica lost the session; UNAVAILABLE: the replica is
-        gone or draining; FAILED_PRECONDITION: the session is out of step
-        with the committed tokens. In each case the session is rebuilt from
-        the tokens, on another replica when the client routes over several.
-        INVALID_ARGUMENT with a drafted span: the draft's part (q, ids, span)
-        was refused, a draft fault (docs/design.md §5): the round is redone
-        with γ = 0 and the draft backed off; without a span it is the
-        request's own error."""
+        """Verifies the round; returns the reply and the drafted ids it verified
+        (empty when the target refused the draft's part). NOT_FOUND (session
+        lost), UNAVAILABLE (replica gone or draining), FAILED_PRECONDITION (out
+        of step): the session is rebuilt from the tokens, on another replica if
+        any. INVALID_ARGUMENT with a span: a draft fault (docs/design.md §5), the
+        round redone with γ = 0; without a span it is the request's own error."""
         attempt = 0
         while True:
             assert self.target_sid is not None
@@ -521,6 +520,7 @@ class Decoder:
                     post,
                     ahead,
                     self.p.stop_token_ids,
+                    self._ahead_lookup if ahead else 0,
                 )
             except InvalidArgument as e:
                 if not draft_ids:
@@ -536,9 +536,9 @@ class Decoder:
                 # critical path): only NOT_FOUND says it is gone already
                 await self._rebuild_target(release_old=not isinstance(e, NotFound))
                 continue
-            self.target_cache_len = reply.cache_len
+            self.target_cache_len, self._run_left = reply.cache_len, reply.ahead_left
             self.stats.verify_ms += reply.compute_ms
-            return reply, draft_ids
+            return reply, draft_ids or reply.drafted  # a decode-ahead step's own lookup span
 
     def _proposal_problem(self, reply: ProposeReply, gamma: int) -> str:
         """What is wrong with a proposal on its face ("" = nothing): a span

@@ -28,29 +28,21 @@ that do not draft.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from orchestrator.policy import DraftLengthPolicy
-from specdec.ngram import NgramIndex
+from specdec.ngram import TrustedLookup
 
 #: the drafter name whose requests get prompt lookup in the orchestrator
 LOOKUP_DRAFTER = "auto"
 
 
 @dataclass
-class LocalLookup:
-    """One request's prompt-lookup state over its committed tokens."""
+class LocalLookup(TrustedLookup):
+    """One request's prompt-lookup state over its committed tokens (the
+    candidate and its trust: ``specdec.ngram.TrustedLookup``)."""
 
-    min_ngram: int = 2  # the shortest matched suffix that is trusted to draft
-    max_ngram: int = 4
-    threshold: float = 0.5  # trusted while the hit score is at least this
-    decay: float = 0.7
-    score: float = 1.0
-    index: NgramIndex = field(init=False)
-    _pending: tuple[int, int] | None = None  # (position, token) the last candidate predicted
-    hits: int = 0  # scored candidates whose first token the target committed
-    scored: int = 0
     idle: int = 0  # rounds in a row that verified no lookup span
     #: rounds in a row without a lookup span after which lookup counts as
     #: dormant: plain rounds may then run ahead on the target, this many at
@@ -60,24 +52,36 @@ class LocalLookup:
     #: in one of them would stop the run in mid-step and put the target's
     #: session out of step with the committed tokens, a rebuild)
     promised_rounds: int = 0
-
-    def __post_init__(self) -> None:
-        self.index = NgramIndex(1, self.max_ngram)
-
-    @property
-    def trusted(self) -> bool:
-        """Whether a match would be proposed now (the hit score is at the threshold)."""
-        return self.score >= self.threshold
+    #: the target verifies lookup spans inside its decode-ahead runs
+    #: (target_service/self_lookup.py), so plain rounds always run ahead
+    on_target: bool = True
 
     @property
     def dormant(self) -> bool:
         return self.idle >= self.dormant_after
 
     def ahead_room(self, room: int) -> int:
-        """How many plain rounds the target may decode ahead: none while
-        lookup may propose, at most ``dormant_after`` at a time while it is
-        dormant (so it is asked again that often)."""
+        """How many plain rounds the target may decode ahead. With lookup on
+        the target (``on_target``) all of them: the run's steps verify the
+        spans this lookup would have proposed, with no round trip each.
+        Otherwise none while lookup may propose, at most ``dormant_after``
+        at a time while it is dormant (so it is asked again that often)."""
+        if self.on_target:
+            return room
         return min(room, self.dormant_after) if self.dormant else 0
+
+    def grant(self, n: int, room: int, policy: object, lookup_policy: DraftLengthPolicy | None,
+              max_tokens: int) -> tuple[int, int]:
+        """(rounds, span cap) of a decode-ahead run after a plain round that
+        the request's policy committed ``n`` plain rounds to. On the target,
+        a run whose steps verified spans ends after fewer rounds than
+        committed: the rounds still committed (``policy.plain_rounds_left``)
+        run ahead again, and the run's spans are at most what the lookup
+        policy would verify now (0: it would not, the run is plain)."""
+        if self.on_target and n == 0:
+            n = min(room, int(getattr(policy, "plain_rounds_left", 0)))
+        cap = min(max_tokens, lookup_policy.next_gamma()) if (self.on_target and n > 0 and lookup_policy) else 0
+        return self.promised(n), cap
 
     def promised(self, rounds: int) -> int:
         """A new grant: the next ``rounds`` rounds are plain (decoded ahead).
@@ -101,24 +105,3 @@ class LocalLookup:
         span = ids[: min(policy.next_gamma(), len(ids))] if ids else []
         self.note_round(bool(span))
         return span
-
-    def candidate(self, committed: Sequence[int], max_tokens: int) -> list[int]:
-        """The continuation to verify next (at most ``max_tokens``), or []
-        when there is no trusted match. Scores the previous candidate against
-        what was committed since."""
-        if self._pending is not None:
-            pos, tok = self._pending
-            if pos < len(committed):
-                hit = committed[pos] == tok
-                self.score = self.decay * self.score + (1.0 - self.decay) * float(hit)
-                self.hits += int(hit)
-                self.scored += 1
-                self._pending = None
-        self.index.sync(committed)
-        n, ids = self.index.lookup(max_tokens) if max_tokens > 0 else (0, [])
-        if ids:
-            self._pending = (len(committed), int(ids[0]))
-        if not ids or n < self.min_ngram or not self.trusted:
-            return []
-        return [int(x) for x in ids]
-

@@ -385,6 +385,12 @@ class AdaptivePolicy:
         self._committed = max(0, min(int(limit), self._probe_every - self._zero_rounds - 1))
         return self._committed
 
+    @property
+    def plain_rounds_left(self) -> int:
+        """Plain rounds still committed to (a decode-ahead run that ended
+        early may ask for them again)."""
+        return self._committed
+
     def next_gamma(self) -> int:
         if self._committed:  # a plain round committed to by commit_plain_rounds
             self._committed -= 1

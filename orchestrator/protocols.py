@@ -57,6 +57,8 @@ class VerifyReply:
     is_post: bool = False  # next_token is the post-verified drafted token
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per emitted token, with SessionOptions.top_logprobs
     dead_end: bool = False  # the grammar allows no token after the accepted ones (next_token is not one)
+    drafted: list[int] = field(default_factory=list)  # a decode-ahead step's own lookup span (target_service/self_lookup.py)
+    ahead_left: int = 0  # decode-ahead: more replies of the run may follow (VerifyResponse.ahead_left)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class TargetClient(Protocol):
         post: PostToken | None = None,
         ahead: int = 0,  # decode-ahead: a plain round asks for this many more plain steps (orchestrator/clients.py)
         stop_ids: Collection[int] = (),  # ... which end after one of these tokens
+        ahead_lookup: int = 0,  # ... whose steps may verify the target's own lookup span of at most this many tokens
     ) -> VerifyReply: ...
 
     async def release(self, session_id: str, timeout: float | None) -> None: ...

@@ -465,11 +465,13 @@ class RoutedTarget(_Bound[Any]):
         post: PostToken | None = None,
         ahead: int = 0,
         stop_ids: Collection[int] = (),
+        ahead_lookup: int = 0,
     ) -> VerifyReply:
         r = self._replica(session_id)
         try:
             return await self.pool.call(
-                r, lambda c: c.verify(session_id, cache_len, new_ids, draft_ids, q, timeout, post, ahead, stop_ids)
+                r, lambda c: c.verify(session_id, cache_len, new_ids, draft_ids, q, timeout, post, ahead, stop_ids,
+                                        ahead_lookup)
             )
         except NotFound:
             self._dropped(session_id)  # the cache is gone with it; the caller rebuilds

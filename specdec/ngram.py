@@ -55,3 +55,52 @@ class NgramIndex:
             if e is not None:
                 return n, toks[e : min(e + max_tokens, size)]
         return 0, []
+
+
+@dataclass
+class TrustedLookup:
+    """Prompt lookup over a growing token sequence with a trust score: the
+    candidate continuation's first token, proposed or not, is scored against
+    the token later committed at that position (an exponential moving
+    average of hits), and a match is proposed only while the score is at the
+    threshold and the matched suffix is at least ``min_ngram`` long. The
+    orchestrator's per-request lookup (orchestrator/lookup.py) and the
+    target's lookup inside decode-ahead (target_service/server.py) are this."""
+
+    min_ngram: int = 2  # the shortest matched suffix that is trusted to draft
+    max_ngram: int = 4
+    threshold: float = 0.5  # trusted while the hit score is at least this
+    decay: float = 0.7
+    score: float = 1.0
+    index: NgramIndex = field(init=False)
+    _pending: tuple[int, int] | None = None  # (position, token) the last candidate predicted
+    hits: int = 0  # scored candidates whose first token the target committed
+    scored: int = 0
+
+    def __post_init__(self) -> None:
+        self.index = NgramIndex(1, self.max_ngram)
+
+    @property
+    def trusted(self) -> bool:
+        """Whether a match would be proposed now (the hit score is at the threshold)."""
+        return self.score >= self.threshold
+
+    def candidate(self, committed: Sequence[int], max_tokens: int) -> list[int]:
+        """The continuation to verify next (at most ``max_tokens``), or []
+        when there is no trusted match. Scores the previous candidate against
+        what was committed since."""
+        if self._pending is not None:
+            pos, tok = self._pending
+            if pos < len(committed):
+                hit = committed[pos] == tok
+                self.score = self.decay * self.score + (1.0 - self.decay) * float(hit)
+                self.hits += int(hit)
+                self.scored += 1
+                self._pending = None
+        self.index.sync(committed)
+        n, ids = self.index.lookup(max_tokens) if max_tokens > 0 else (0, [])
+        if ids:
+            self._pending = (len(committed), int(ids[0]))
+        if not ids or n < self.min_ngram or not self.trusted:
+            return []
+        return [int(x) for x in ids]

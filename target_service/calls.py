@@ -32,6 +32,7 @@ class VerifyOutcome:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the same tokens', when the session asked
     # the grammar allows no token after the accepted ones: result.next_token is not emitted
     dead_end: bool = False
+    self_drafted: list[int] = field(default_factory=list)  # the span the engine drafted by lookup, if any
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,10 @@ class VerifyCall:
     # and its q (None = one-hot); never fed into the cache
     post_id: int | None = None
     post_q: SparseQ | None = None
+    # decode-ahead prompt lookup (VerifyRequest.ahead_lookup_tokens): a plain
+    # call may verify the session's own trusted lookup span, at most this long
+    lookup_tokens: int = 0
+    self_drafted: bool = False  # draft_ids is that span (set by the engine)
 
     @property
     def past_len(self) -> int:

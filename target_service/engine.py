@@ -52,6 +52,7 @@ from specdec.sampling import (
     token_logprobs,
 )
 from specdec.memory import TrimPacer
+from specdec.ngram import TrustedLookup
 from specdec.session_ids import new_session_id
 from specdec.tokenization import eos_token_ids
 from specdec.validation import check_token_ids
@@ -63,7 +64,7 @@ from target_service import kv_adapter as kv
 from target_service import runner
 from target_service.kv_manager import KVManager, kv_bytes_per_token
 from target_service.prefix_cache import PrefixCache
-from target_service import session_prefix
+from target_service import self_lookup, session_prefix
 from target_service.chunking import ChunkSizer
 from target_service import checks
 from target_service.constrained import mask_rows
@@ -84,6 +85,7 @@ class TargetSession:
     grammar: GrammarState | None = None  # structured output: follows the committed tokens
     tokens: list[int] = field(default_factory=list)  # the tokens the cache holds (for the prefix cache)
     cached_tokens: int = 0  # prompt tokens its prefill took from the prefix cache
+    lookup: TrustedLookup | None = None  # decode-ahead prompt lookup over ``tokens`` (target_service/self_lookup.py)
 
 
 @dataclass
@@ -338,6 +340,9 @@ class TargetEngine:
             raise FailedPrecondition(
                 f"cache_len mismatch: session holds {sess.cache_len} tokens, request assumes {call.cache_len}"
             )
+        if call.lookup_tokens > 0 and not draft_ids and call.post_id is None:
+            call = self_lookup.self_draft(call, sess, self.max_span, self.max_context)
+            draft_ids = call.draft_ids
         total = sess.cache_len + len(new_ids) + len(draft_ids)
         if total >= self.max_context:
             raise InvalidArgument(f"sequence of {total} tokens exceeds the context of {self.max_context} tokens")
@@ -430,7 +435,8 @@ class TargetEngine:
         sess.cache_len = keep
         emitted = rows[: len(tokens)]
         lps = token_logprobs(emitted, sess.cfg, tokens, sess.top_logprobs) if sess.top_logprobs >= 0 else []
-        return VerifyOutcome(res, keep, logit_gaps(emitted) if tokens else [], lps, dead_end)
+        return VerifyOutcome(res, keep, logit_gaps(emitted) if tokens else [], lps, dead_end,
+                             list(draft_ids) if call.self_drafted else [])
 
     def run_batch(self, calls: Sequence[Call]) -> list[tuple[Outcome | Requeue | SpecdecError | Exception, ForwardInfo]]:
         """Serves several Prefill/Verify calls (from different sessions) with one

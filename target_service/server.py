@@ -102,6 +102,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         self.draining = False  # set on SIGTERM: no new sessions, existing ones are served
         self.verify_streams = 0  # VerifyStream calls opened (each serves one session's rounds)
         self.ahead_steps = 0  # decode-ahead steps run (VerifyRequest.decode_ahead)
+        self.self_drafted_tokens = 0  # ... and the tokens their own lookup spans verified (ahead_lookup_tokens)
         self.prefills_cancelled = 0  # Prefill calls whose caller went away (cancel, deadline) before the reply
 
     def attach(self, engine: TargetEngine, tokenizer_fingerprint: str, calibration: CalibrationResult | None = None) -> None:
@@ -236,21 +237,27 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                 reply = await self._verify(request)
                 ahead = 0 if request.draft_token_ids or request.has_post_token else min(int(request.decode_ahead),
                                                                                        MAX_DECODE_AHEAD)
+                lookup = int(request.ahead_lookup_tokens)  # then ahead counts tokens (one per plain step)
                 stops = frozenset(request.stop_token_ids)
                 while True:  # decode-ahead: the plain steps the caller would ask for next, without asking
-                    more = ahead > 0 and not reply.grammar_dead_end and reply.next_token_id not in stops
+                    emitted = [*reply.self_drafted_token_ids[: reply.num_accepted], reply.next_token_id]
+                    more = ahead > 0 and not reply.grammar_dead_end and stops.isdisjoint(emitted)
                     reply.ahead_left = ahead if more else 0
                     yield reply
                     if not more:
                         break
-                    ahead -= 1
                     self.ahead_steps += 1
                     reply = await self._verify(target_pb2.VerifyRequest(
-                        session_id=request.session_id, cache_len=reply.cache_len, new_token_ids=[reply.next_token_id]))
+                        session_id=request.session_id, cache_len=reply.cache_len, new_token_ids=[reply.next_token_id]),
+                        lookup_tokens=min(lookup, ahead - 1))  # a step commits at most `ahead` tokens
+                    ahead -= 1 + reply.num_accepted
+                    self.self_drafted_tokens += len(reply.self_drafted_token_ids)
         except Exception as e:
             await abort_with(context, e, "VerifyStream")
 
-    async def _verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
+    async def _verify(self, request: target_pb2.VerifyRequest, lookup_tokens: int = 0) -> target_pb2.VerifyResponse:
+        """``lookup_tokens``: a decode-ahead step may verify the session's own
+        prompt-lookup span of at most this many tokens (target_service/self_lookup.py)."""
         if not request.session_id:
             raise InvalidArgument("session_id is required")
         draft_ids = list(request.draft_token_ids)
@@ -261,7 +268,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         self.engine  # UNAVAILABLE while loading
         out, t = await self.worker.submit(
             VerifyCall(request.session_id, int(request.cache_len), list(request.new_token_ids), draft_ids, q,
-                       post_id, post_q)
+                       post_id, post_q, lookup_tokens=max(0, lookup_tokens))
         )
         assert isinstance(out, VerifyOutcome)
         self.metrics.observe("verify", len(request.new_token_ids) + len(draft_ids), t.queue_ms, t.compute_ms)
@@ -279,6 +286,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             active_sessions=self.engine.num_sessions,
             logprobs=_logprobs(out.logprobs),
             grammar_dead_end=out.dead_end,
+            self_drafted_token_ids=out.self_drafted,
         )
 
     @translate_errors

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import grpc
+import numpy as np
 import pytest
 
 from specdec.v1 import common_pb2, target_pb2
@@ -35,8 +36,8 @@ def plain(tiny_models, onnx_cache_dir: Path) -> Iterator[Stack]:  # type: ignore
     yield from _stack(tiny_models, onnx_cache_dir, 0)
 
 
-def _prefill(stack: Stack, ids: list[int], seed: int | None = None) -> target_pb2.PrefillResponse:
-    sampling = common_pb2.SamplingParams(temperature=1.0, top_k=8, seed=seed) if seed is not None \
+def _prefill(stack: Stack, ids: list[int], seed: int | None = None, top_k: int = 8) -> target_pb2.PrefillResponse:
+    sampling = common_pb2.SamplingParams(temperature=1.0, top_k=top_k, seed=seed) if seed is not None \
         else common_pb2.SamplingParams()
     return stack.target_stub().Prefill(target_pb2.PrefillRequest(token_ids=ids, sampling=sampling,
                                                                  sample_next_token=True), timeout=30)
@@ -163,3 +164,100 @@ def test_stop_strings_eos_and_cancel_end_a_run_cleanly(ahead: Stack, plain: Stac
     ahead.assert_clean()
     assert ahead.health(ahead.target.port) == 1  # SERVING
     assert ahead.generate(prompt="hello world", mode="off", max_new_tokens=30)["token_ids"] == ref["token_ids"]
+
+
+# ------------------------------------------- prompt lookup inside the run
+def _lookup_run(stack: Stack, ids: list[int], budget: int, lookup: int, seed: int | None = None,
+                stops: tuple[int, ...] = (), top_k: int = 8) -> tuple[list[int], list[target_pb2.VerifyResponse]]:
+    """The tokens of a prefill and one VerifyStream request with decode_ahead
+    = budget and ahead_lookup_tokens = lookup, and the replies."""
+    pre = _prefill(stack, ids, seed, top_k)
+    req = target_pb2.VerifyRequest(session_id=pre.session_id, cache_len=pre.cache_len,
+                                   new_token_ids=[pre.next_token_id], decode_ahead=budget,
+                                   ahead_lookup_tokens=lookup, stop_token_ids=stops)
+    replies = list(stack.target_stub().VerifyStream(iter([req]), timeout=30))
+    stack.target_stub().Release(common_pb2.ReleaseRequest(session_id=pre.session_id), timeout=10)
+    tokens = [pre.next_token_id]
+    for r in replies:
+        tokens += [*r.self_drafted_token_ids[: r.num_accepted], r.next_token_id]
+    return tokens, replies
+
+
+#: a prompt whose greedy continuation under the tiny target falls into a
+#: loop the lookup can match (checked by the test: spans are verified)
+LOOP_PROMPT = [3, 5, 7, 9, 11, 3, 5, 7, 9, 11, 3, 5, 7]
+
+
+def test_lookup_in_a_run_gives_the_plain_greedy_tokens(ahead: Stack) -> None:
+    """A run with ahead_lookup_tokens verifies the target's own prompt-lookup
+    spans (some steps commit several tokens) and commits exactly the tokens
+    of plain greedy steps, never more than decode_ahead of them; the cache
+    lengths follow the tokens. Negative control: the run without lookup
+    verifies no span."""
+    budget = 40
+    ref = [t for t, _ in _stepwise(ahead, LOOP_PROMPT, budget + 1)]  # the request's own reply, then the run's
+    before = ahead.target.servicer.self_drafted_tokens  # type: ignore[union-attr]
+    got, replies = _lookup_run(ahead, LOOP_PROMPT, budget, 4)
+    assert got == ref and len(got) == budget + 2
+    assert any(r.num_accepted > 0 for r in replies)  # steps that committed more than one token
+    assert all(len(r.self_drafted_token_ids) <= 4 for r in replies)
+    assert replies[-1].cache_len == len(LOOP_PROMPT) + budget + 1 and replies[-1].ahead_left == 0
+    assert ahead.target.servicer.self_drafted_tokens > before  # type: ignore[union-attr]
+    plain, plain_replies = _lookup_run(ahead, LOOP_PROMPT, budget, 0)
+    assert plain == got and all(not r.self_drafted_token_ids for r in plain_replies)
+    assert len(plain_replies) == budget + 1 > len(replies)  # the request's reply and one per plain step
+    ahead.wait_no_sessions()
+
+
+def test_a_stop_token_inside_a_verified_span_ends_the_run(ahead: Stack) -> None:
+    """A stop token among a step's accepted span tokens ends the run with
+    that step (ahead_left 0), as a stop token ends a plain run."""
+    budget = 40
+    got, replies = _lookup_run(ahead, LOOP_PROMPT, budget, 4)
+    spans = [r for r in replies if r.num_accepted > 0]
+    assert spans
+    stop = spans[0].self_drafted_token_ids[0]
+    first = next(i for i, t in enumerate(got) if t == stop and i > 0)
+    cut, cut_replies = _lookup_run(ahead, LOOP_PROMPT, budget, 4, stops=(stop,))
+    assert cut_replies[-1].ahead_left == 0 and stop in cut[1:]
+    assert cut == got[: len(cut)] and len(cut) <= first + 5  # ends with the step that committed it
+    ahead.wait_no_sessions()
+
+
+@pytest.fixture(scope="module")
+def small_ahead(tiny_models, onnx_cache_dir: Path) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
+    """A target of 6 tokens: almost every bigram recurs, so lookup proposes
+    often and is both accepted and rejected."""
+    s = start_stack(tiny_models.small_target, tiny_models.small_draft, onnx_cache_dir,
+                    orchestrator_overrides={"target_verify_stream": True})
+    yield s
+    s.close()
+
+
+@pytest.mark.statistical
+def test_lookup_in_a_run_samples_the_targets_distribution(small_ahead: Stack, tiny_models: Any) -> None:
+    """Temperature 1, 400 requests of 50 tokens (a prefill's token, the
+    request's own, then a run of 48 with ahead_lookup_tokens 3): every token
+    follows the target's exact conditional distribution at its position
+    (randomized PIT in 20 bins, chi-square at p < 1e-4, tests/test_e2e_tiny.py
+    ``pit_counts``). Power: a shift of 0.0093 of mass between two PIT bins is
+    detected with probability 0.99. The runs verified one-hot spans with both
+    acceptances and rejections. Negative control: the same tokens scored at
+    a 25 % higher temperature must fail."""
+    from specdec.sampling import SamplingConfig
+    from tests.test_e2e_tiny import PIT_BINS, control_config, pit_counts
+    from tests.test_sampling import assert_detects, assert_matches
+
+    cfg, prompt, budget = SamplingConfig(temperature=1.0), [1, 2, 3, 1, 2, 4, 1, 2], 48
+    seqs, drafted, accepted = [], 0, 0
+    for seed in range(400):
+        tokens, replies = _lookup_run(small_ahead, prompt, budget, 3, seed=seed, top_k=0)
+        assert len(tokens) == budget + 2
+        seqs.append(tokens)
+        drafted += sum(len(r.self_drafted_token_ids) for r in replies)
+        accepted += sum(r.num_accepted for r in replies)
+    assert 0 < accepted < drafted
+    uniform = np.full(PIT_BINS, 1 / PIT_BINS)
+    assert_matches(pit_counts(tiny_models.small_target, prompt, seqs, cfg), uniform)
+    assert_detects(pit_counts(tiny_models.small_target, prompt, seqs, control_config(cfg)), uniform)
+    small_ahead.wait_no_sessions()

@@ -169,6 +169,45 @@ def test_auto_with_local_lookup_is_greedy_identical_to_off(multi_stack: Stack) -
     multi_stack.wait_no_sessions()
 
 
+@pytest.fixture
+def fresh_auto_stack(tli_models: TliModels, onnx_cache_dir: Path) -> Stack:  # type: ignore[misc]
+    """A stack of its own: the policies' shared estimates start from their
+    priors (others' requests move them, and with them which rounds are plain)."""
+    drafters = [
+        DrafterSpec(name="tli", model=str(tli_models.tli_draft), precision="fp32", kind="tli", lookbehind_tokens=4),
+        DrafterSpec(name="auto", kind="auto", fallback="tli"),
+    ]
+    s = start_stack(tli_models.target, None, onnx_cache_dir, drafters=drafters)
+    yield s
+    s.close()
+
+
+def test_auto_lookup_inside_decode_ahead_is_greedy_identical_to_off(fresh_auto_stack: Stack) -> None:
+    """AUTO with ``auto``: the plain rounds its policy commits to run ahead
+    on the target, and the target verifies its own lookup
+    spans inside the runs (target_service/self_lookup.py), the orchestrator
+    counts them as lookup rounds, nothing is rebuilt, and the tokens are
+    OFF's. Negative control: OFF's own runs (target-only) verify no span."""
+    stack = fresh_auto_stack
+    servicer = stack.target.servicer
+    before = servicer.self_drafted_tokens  # type: ignore[union-attr]
+    offs = {p: stack.generate(prompt=p, mode="off", max_new_tokens=64)["token_ids"] for p in PROMPTS}
+    assert servicer.self_drafted_tokens == before  # type: ignore[union-attr]
+    local = lookup_draft_tokens(stack)
+    # which rounds are plain (and so run ahead) is the policy's choice from
+    # measured costs: requests go on until runs have verified spans (at most 4 passes)
+    for attempt in range(4):
+        for prompt in PROMPTS:
+            spec = stack.generate(prompt=prompt, mode="auto", max_new_tokens=64, drafter="auto")
+            assert spec["token_ids"] == offs[prompt], (attempt, prompt)
+            assert spec["stats"].target_rebuilds == 0
+        if servicer.self_drafted_tokens > before:  # type: ignore[union-attr]
+            break
+    assert servicer.self_drafted_tokens > before  # type: ignore[union-attr]
+    assert lookup_draft_tokens(stack) > local  # counted as lookup rounds
+    stack.wait_no_sessions()
+
+
 def test_tli_context_is_the_targets_text(multi_stack: Stack, tli_models: TliModels) -> None:
     """Target tokens outside the intersection ("the", "in", " t") reach the
     draft as their text, re-tokenized by the draft tokenizer, and proposals

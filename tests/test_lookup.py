@@ -76,14 +76,14 @@ def test_the_lookup_policy_prices_drafting_at_nothing() -> None:
 
 
 def test_rounds_promised_to_decode_ahead_verify_no_span() -> None:
-    """While lookup is dormant the target may decode a few plain rounds
-    ahead; those rounds must stay plain (a span would stop the run in
-    mid-step and put the target's session out of step), and lookup is
-    asked again after them."""
+    """Without lookup on the target: while lookup is dormant the target may
+    decode a few plain rounds ahead; those rounds must stay plain (a span
+    would stop the run in mid-step and put the target's session out of
+    step), and lookup is asked again after them."""
     factory = PolicyFactory()
     factory.set_cost_priors({k: 40.0 + k for k in range(1, 10)})
     policy = factory.make_local("auto:lookup")
-    lk = LocalLookup(dormant_after=3)
+    lk = LocalLookup(dormant_after=3, on_target=False)
     assert lk.ahead_room(16) == 0  # not dormant: no plain rounds ahead
     for _ in range(3):
         lk.note_round(False)
@@ -94,3 +94,33 @@ def test_rounds_promised_to_decode_ahead_verify_no_span() -> None:
     assert lk.promised(0) == 0  # the plain round inside the grant asks for nothing more: the promise stands
     assert lk.next_span(seq, 4, policy) == []
     assert lk.next_span(seq, 4, policy) != []
+
+
+class _Committed:
+    """A request policy that committed some plain rounds (commit_plain_rounds)."""
+
+    def __init__(self, left: int) -> None:
+        self.plain_rounds_left = left
+
+
+def test_lookup_on_target_grants_every_committed_plain_round() -> None:
+    """With lookup on the target every plain round the request's policy
+    committed to runs ahead, dormant or not, with the lookup policy's span
+    as the cap; a run that ended early (its steps verified spans) is
+    granted the rounds still committed; the grant is a promise (no span
+    from the orchestrator meanwhile); nothing committed, nothing granted."""
+    factory = PolicyFactory()
+    factory.set_cost_priors({k: 40.0 + k for k in range(1, 10)})
+    lookup_policy = factory.make_local("auto:lookup")
+    lk = LocalLookup()
+    assert lk.ahead_room(16) == 16  # not dormant, still all of them
+    n, cap = lk.grant(5, 16, _Committed(0), lookup_policy, 8)
+    assert n == 5 and 1 <= cap <= 8
+    assert lk.promised_rounds == 5
+    assert lk.next_span([1, 2, 3, 1, 2], 4, lookup_policy) == []  # promised: plain
+    n, cap = lk.grant(0, 16, _Committed(3), lookup_policy, 8)  # the run ended after fewer rounds
+    assert n == 3 and cap >= 1 and lk.promised_rounds == 3
+    assert lk.grant(0, 16, _Committed(0), lookup_policy, 8) == (0, 0)
+    assert lk.grant(0, 2, _Committed(3), lookup_policy, 8)[0] == 2  # never past the room
+    off = LocalLookup(on_target=False)
+    assert off.grant(4, 4, _Committed(9), lookup_policy, 8) == (4, 0)  # plain runs: no own spans

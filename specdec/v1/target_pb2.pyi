@@ -54,7 +54,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., has_next_token: _Optional[bool] = ..., next_token_id: _Optional[int] = ..., next_token_logit_gap: _Optional[float] = ..., cache_len: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., next_token_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., grammar_applied: _Optional[bool] = ..., grammar_dead_end: _Optional[bool] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "cache_len", "new_token_ids", "draft_token_ids", "draft_probs", "has_post_token", "post_token_id", "post_prob", "decode_ahead", "stop_token_ids")
+    __slots__ = ("session_id", "cache_len", "new_token_ids", "draft_token_ids", "draft_probs", "has_post_token", "post_token_id", "post_prob", "decode_ahead", "stop_token_ids", "ahead_lookup_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class VerifyRequest(_message.Message):
     POST_PROB_FIELD_NUMBER: _ClassVar[int]
     DECODE_AHEAD_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cache_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -75,10 +76,11 @@ class VerifyRequest(_message.Message):
     post_prob: _common_pb2.SparseDistribution
     decode_ahead: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., has_post_token: _Optional[bool] = ..., post_token_id: _Optional[int] = ..., post_prob: _Optional[_Union[_common_pb2.SparseDistribution, _Mapping]] = ..., decode_ahead: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    ahead_lookup_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., has_post_token: _Optional[bool] = ..., post_token_id: _Optional[int] = ..., post_prob: _Optional[_Union[_common_pb2.SparseDistribution, _Mapping]] = ..., decode_ahead: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ahead_lookup_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "next_is_bonus", "cache_len", "logit_gaps", "timings", "batch_size", "queue_depth", "active_sessions", "next_is_post", "logprobs", "grammar_dead_end", "ahead_left")
+    __slots__ = ("num_accepted", "next_token_id", "next_is_bonus", "cache_len", "logit_gaps", "timings", "batch_size", "queue_depth", "active_sessions", "next_is_post", "logprobs", "grammar_dead_end", "ahead_left", "self_drafted_token_ids")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_IS_BONUS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +94,7 @@ class VerifyResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_DEAD_END_FIELD_NUMBER: _ClassVar[int]
     AHEAD_LEFT_FIELD_NUMBER: _ClassVar[int]
+    SELF_DRAFTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     next_is_bonus: bool
@@ -105,4 +108,5 @@ class VerifyResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     grammar_dead_end: bool
     ahead_left: int
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_is_bonus: _Optional[bool] = ..., cache_len: _Optional[int] = ..., logit_gaps: _Optional[_Iterable[float]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., batch_size: _Optional[int] = ..., queue_depth: _Optional[int] = ..., active_sessions: _Optional[int] = ..., next_is_post: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., grammar_dead_end: _Optional[bool] = ..., ahead_left: _Optional[int] = ...) -> None: ...
+    self_drafted_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_is_bonus: _Optional[bool] = ..., cache_len: _Optional[int] = ..., logit_gaps: _Optional[_Iterable[float]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., batch_size: _Optional[int] = ..., queue_depth: _Optional[int] = ..., active_sessions: _Optional[int] = ..., next_is_post: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., grammar_dead_end: _Optional[bool] = ..., ahead_left: _Optional[int] = ..., self_drafted_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
