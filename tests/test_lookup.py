@@ -124,3 +124,26 @@ def test_lookup_on_target_grants_every_committed_plain_round() -> None:
     assert lk.grant(0, 2, _Committed(3), lookup_policy, 8)[0] == 2  # never past the room
     off = LocalLookup(on_target=False)
     assert off.grant(4, 4, _Committed(9), lookup_policy, 8) == (4, 0)  # plain runs: no own spans
+
+
+def test_the_target_drafts_its_own_span_only_within_the_call_and_the_context() -> None:
+    """target_service/self_lookup.py: a plain call with lookup allowed
+    verifies the session's trusted continuation (one-hot q), at most
+    ``lookup_tokens`` of it, never past the context; without a match it is
+    the same plain call."""
+    from types import SimpleNamespace
+
+    from target_service.calls import VerifyCall
+    from target_service.self_lookup import self_draft
+
+    sess = SimpleNamespace(lookup=None, cache_len=7, tokens=[5, 6, 7, 8, 9, 5, 6])
+    call = VerifyCall("s", 7, [7], [], [], lookup_tokens=2)
+    out = self_draft(call, sess, max_span=16, max_context=100)
+    assert out.draft_ids == [8, 9] and out.draft_q == [None, None] and out.self_drafted
+    assert out.new_ids == [7] and out.cache_len == 7
+    near_end = self_draft(call, SimpleNamespace(lookup=None, cache_len=7, tokens=list(sess.tokens)),
+                          max_span=16, max_context=10)  # 7 cached + 1 new: room for 1 before the last position
+    assert near_end.draft_ids == [8]
+    none = self_draft(VerifyCall("s", 7, [1], [], [], lookup_tokens=2),
+                      SimpleNamespace(lookup=None, cache_len=7, tokens=list(sess.tokens)), 16, 100)
+    assert none.draft_ids == [] and not none.self_drafted
