@@ -150,6 +150,10 @@ def test_greedy_speculative_equals_off_for_every_drafter(multi_stack: Stack, dra
     multi_stack.wait_no_sessions()
 
 
+def flat_logprobs(result: dict) -> list:  # type: ignore[type-arg]
+    return [lp for c in result["chunks"] for lp in c.logprobs]
+
+
 def lookup_draft_tokens(stack: Stack) -> float:
     """Tokens the orchestrator drafted by its own prompt lookup (orchestrator/lookup.py)."""
     return stack.orchestrator.servicer.metrics.num_draft_tokens.labels("auto:lookup")._value.get()
@@ -187,19 +191,23 @@ def test_auto_lookup_inside_decode_ahead_is_greedy_identical_to_off(fresh_auto_s
     on the target, and the target verifies its own lookup
     spans inside the runs (target_service/self_lookup.py), the orchestrator
     counts them as lookup rounds, nothing is rebuilt, and the tokens are
-    OFF's. Negative control: OFF's own runs (target-only) verify no span."""
+    OFF's, with OFF's logprobs. Negative control: OFF's own runs
+    (target-only) verify no span."""
     stack = fresh_auto_stack
     servicer = stack.target.servicer
     before = servicer.self_drafted_tokens  # type: ignore[union-attr]
-    offs = {p: stack.generate(prompt=p, mode="off", max_new_tokens=64)["token_ids"] for p in PROMPTS}
+    offs = {p: stack.generate(prompt=p, mode="off", max_new_tokens=64, top_logprobs=2) for p in PROMPTS}
     assert servicer.self_drafted_tokens == before  # type: ignore[union-attr]
     local = lookup_draft_tokens(stack)
     # which rounds are plain (and so run ahead) is the policy's choice from
     # measured costs: requests go on until runs have verified spans (at most 4 passes)
     for attempt in range(4):
         for prompt in PROMPTS:
-            spec = stack.generate(prompt=prompt, mode="auto", max_new_tokens=64, drafter="auto")
-            assert spec["token_ids"] == offs[prompt], (attempt, prompt)
+            spec = stack.generate(prompt=prompt, mode="auto", max_new_tokens=64, drafter="auto", top_logprobs=2)
+            assert spec["token_ids"] == offs[prompt]["token_ids"], (attempt, prompt)
+            got, want = flat_logprobs(spec), flat_logprobs(offs[prompt])  # one per token, a span's included
+            assert [x.chosen.token_id for x in got] == spec["token_ids"]
+            assert [x.chosen.logprob for x in got] == pytest.approx([x.chosen.logprob for x in want], abs=1e-5)
             assert spec["stats"].target_rebuilds == 0
         if servicer.self_drafted_tokens > before:  # type: ignore[union-attr]
             break
