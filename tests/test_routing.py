@@ -65,7 +65,8 @@ class FakeService:
         return PrefillReply(self._new(), 1, 0.0, len(token_ids), 0.0)
 
     async def verify(self, sid: str, cache_len: int, new_ids: Any, draft_ids: Any, q: Any, timeout: Any,
-                     post: Any = None, ahead: int = 0, stop_ids: Any = ()) -> VerifyReply:
+                     post: Any = None, ahead: int = 0, stop_ids: Any = (),
+                     ahead_lookup: int = 0) -> VerifyReply:
         self._call("verify")
         self._known(sid)
         return VerifyReply(0, 1, cache_len + len(new_ids), [0.0], 0.0, 0.0)
