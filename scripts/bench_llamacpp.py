@@ -27,23 +27,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from specdec_app.bench import REPO_PROMPTS, alternating, decode_rate, machine_meta, stop  # noqa: E402
+from specdec_app.bench import REPO_PROMPTS, alternating, machine_meta  # noqa: E402
 from specdec_app.bench_report import bar_groups  # noqa: E402
-
-TARGET_ONLY = "target-only"
+from specdec_app.llamacpp import (  # noqa: E402  (re-exported: tests/test_bench_llamacpp.py)
+    TARGET_ONLY, complete, model_files, read_stream, render, server)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,109 +67,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ctx", type=int, default=4096, help="context size (-c) of every llama.cpp process")
     p.add_argument("--out", type=Path, default=Path("bench-out") / "llamacpp")
     return p.parse_args(argv)
-
-
-def model_files(spec: str, cache_dir: Path) -> tuple[Path, Path]:
-    """(the GGUF specdec serves for ``spec``, its converted HF directory: the tokenizer)."""
-    from specdec.models import resolve
-    from specdec.models.assembly import ensure_builtin_gguf
-    from specdec.models.spec import BUILTINS, parse_spec
-
-    parsed = parse_spec(spec)
-    if parsed.kind == "builtin":
-        gguf = ensure_builtin_gguf(BUILTINS[parsed.value], cache_dir)
-    elif parsed.kind == "gguf":
-        gguf = Path(parsed.value)
-    else:
-        raise SystemExit(f"bench_llamacpp: {spec} is not a GGUF model (a built-in name or a .gguf path)")
-    return gguf, resolve(spec, cache_dir).hf_dir
-
-
-def render(tok: Any, prompt: dict[str, Any]) -> tuple[str, list[int]]:
-    """The prompt's text and token ids as the orchestrator renders them."""
-    if prompt.get("chat"):
-        text = tok.apply_chat_template([{"role": "user", "content": prompt["prompt"]}], add_generation_prompt=True,
-                                       tokenize=False)
-        return text, list(tok(text, add_special_tokens=False)["input_ids"])
-    return prompt["prompt"], list(tok(prompt["prompt"])["input_ids"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def server(cmd: list[str], log: Path, timeout_s: float = 600) -> Iterator[int]:
-    """Runs ``llama-server`` (``cmd`` without host/port) on a free loopback
-    port; yields the port once /health answers 200; stops it after."""
-    port = free_port()
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", str(port)], stdout=f, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"llama-server exited ({proc.returncode}); see {log}")
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"llama-server not ready after {timeout_s:.0f} s; see {log}")
-            time.sleep(0.5)
-        yield port
-    finally:
-        stop(proc, 30)
-
-
-def read_stream(lines: Iterable[bytes], t0: float, clock: Any = time.perf_counter) -> dict[str, Any]:
-    """A streamed /completion's server-sent events: generated ids and text,
-    the time of the first token (seconds after ``t0``), the last event's
-    timings and stop type."""
-    ids: list[int] = []
-    text: list[str] = []
-    first = None
-    last: dict[str, Any] = {}
-    for raw in lines:
-        line = raw.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        ev = json.loads(line[len("data: "):])
-        if ev.get("tokens"):
-            if first is None:
-                first = clock() - t0
-            ids.extend(ev["tokens"])
-        text.append(ev.get("content", ""))
-        last = ev
-        if ev.get("stop"):
-            break
-    return {"token_ids": ids, "text": "".join(text), "first_token_s": first, "timings": last.get("timings", {}),
-            "stop_type": last.get("stop_type")}
-
-
-def complete(port: int, ids: list[int], max_new: int) -> dict[str, Any]:
-    """One greedy streamed /completion of the prompt ``ids``, timed here."""
-    body = json.dumps({"prompt": ids, "n_predict": max_new, "temperature": 0.0, "cache_prompt": False,
-                       "stream": True, "return_tokens": True})
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
-    t0 = time.perf_counter()
-    conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise SystemExit(f"llama-server /completion: HTTP {resp.status}: {resp.read()[:300]!r}")
-    run = read_stream(iter(resp.readline, b""), t0)
-    wall = time.perf_counter() - t0
-    conn.close()
-    n = len(run["token_ids"])
-    ttft_ms = (run.pop("first_token_s") or wall) * 1e3
-    t = run["timings"]
-    drafted, accepted = int(t.get("draft_n", 0)), int(t.get("draft_n_accepted", 0))
-    return {**run, "tokens": n, "wall_s": wall, "ttft_ms": ttft_ms, "tok_s": n / wall if wall > 0 else 0.0,
-            "decode_tok_s": decode_rate(n, wall, ttft_ms), "draft_tokens": drafted, "accepted_tokens": accepted,
-            "acceptance_rate": accepted / drafted if drafted else None}
 
 
 SIMPLE_PATTERNS = {

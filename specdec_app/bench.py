@@ -67,6 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--up-args", default="", help="extra flags for `specdec up` with --launch (one string)")
     p.add_argument("--llamacpp", type=Path, default=None,
                    help="llamacpp.json of scripts/bench_llamacpp.sh: also write vs_llamacpp.{json,md,png} (one table)")
+    p.add_argument("--llamacpp-bin", type=Path, default=None,
+                   help="llama.cpp's bin directory (scripts/bench_llamacpp.sh builds it): run llama-server "
+                        "target-only on the same GGUF file as one more configuration of every prompt, interleaved "
+                        "with specdec's runs; writes llamacpp.json and vs_llamacpp.{json,md,png}")
+    p.add_argument("--llamacpp-threads", type=int, default=2, help="llama.cpp's threads with --llamacpp-bin")
+    p.add_argument("--llamacpp-model", type=Path, default=None,
+                   help="the GGUF file llama.cpp serves with --llamacpp-bin (default: the target's own GGUF)")
 
 
 def leviathan(alpha: float, gamma: int, c: float) -> tuple[float, float]:
@@ -237,8 +244,12 @@ def alternating(items: Sequence[T], repeats: int) -> Iterator[T]:
         yield from (items if rep % 2 == 0 else items[::-1])
 
 
+LLAMACPP = ("llama.cpp", 0, "")  # the schedule's key of llama.cpp target-only (--llamacpp-bin)
+
+
 def _best_of_rounds(
-    stub: Any, prompt: dict[str, Any], schedule: list[tuple[str, int, str]], max_new: int, repeats: int
+    stub: Any, prompt: dict[str, Any], schedule: list[tuple[str, int, str]], max_new: int, repeats: int,
+    llama: Any = None,
 ) -> dict[tuple[str, int, str], dict[str, Any]]:
     """Runs every (mode, γ, drafter) of ``schedule`` ``repeats`` times, going
     round the schedule forwards, then backwards, ...; keeps each one's
@@ -246,13 +257,15 @@ def _best_of_rounds(
     slow spell of a shared machine over all configurations."""
     best: dict[tuple[str, int, str], dict[str, Any]] = {}
     for key in alternating(schedule, repeats):
-        run = _generate(stub, prompt, key[0], key[1], max_new, key[2])
+        run = llama.run(prompt, max_new) if key == LLAMACPP else _generate(stub, prompt, key[0], key[1], max_new, key[2])
         if key not in best or run["tokens_per_second"] > best[key]["tokens_per_second"]:
             best[key] = run
     return best
 
 
-def run_bench(a: argparse.Namespace, orch: str, target: str) -> dict[str, Any]:
+def run_bench(a: argparse.Namespace, orch: str, target: str, llama: Any = None) -> dict[str, Any]:
+    """``llama``: a started ``specdec_app.llamacpp.Interleaved`` (one more
+    configuration of every prompt) or None."""
     import grpc
 
     from specdec.v1 import orchestrator_pb2_grpc
@@ -267,14 +280,17 @@ def run_bench(a: argparse.Namespace, orch: str, target: str) -> dict[str, Any]:
         raise SystemExit(f"specdec bench: unknown --policies {', '.join(unknown)} ({', '.join(MODES)})")
     drafters = [d.strip() for d in str(a.drafters).split(",") if d.strip()] or [""]
     rows: list[dict[str, Any]] = []
+    off_ids: dict[str, list[int]] = {}
     with grpc.insecure_channel(orch) as ch:
         stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
         for d in drafters:
             _generate(stub, {"prompt": "hello", "chat": False}, "fixed", 2, 4, d)  # warm-up
         for prompt in prompts:
             schedule = [("off", 0, "")] + [(mode, g, d) for d in drafters for mode, g in configs]
-            runs = _best_of_rounds(stub, prompt, schedule, a.max_new_tokens, a.repeats)
+            schedule += [LLAMACPP] if llama is not None else []
+            runs = _best_of_rounds(stub, prompt, schedule, a.max_new_tokens, a.repeats, llama)
             ref = runs[("off", 0, "")]
+            off_ids[prompt["id"]] = ref["token_ids"]
             t_target = (ref["verify_ms"] - ref["prefill_ms"]) / max(1, ref["rounds"])  # a plain step, prefill out
             for drafter in drafters:
                 for mode, g in configs:
@@ -316,7 +332,10 @@ def run_bench(a: argparse.Namespace, orch: str, target: str) -> dict[str, Any]:
                     rows.append(row)
                     print(md_row(row), flush=True)
     curve = {} if a.no_cost_curve else cost_curve(target)
-    return {"rows": rows, "verify_cost_ms": curve, "max_new_tokens": a.max_new_tokens, "configs": configs}
+    res = {"rows": rows, "verify_cost_ms": curve, "max_new_tokens": a.max_new_tokens, "configs": configs}
+    if llama is not None:
+        res["llamacpp"] = llama.report(off_ids)
+    return res
 
 
 @contextlib.contextmanager
@@ -460,12 +479,25 @@ def add_fastest_baseline(res: dict[str, Any], baselines: dict[str, dict[str, flo
     res["off_baselines"] = baselines
 
 
+def _llama(a: argparse.Namespace) -> Any:
+    """llama.cpp target-only for ``--llamacpp-bin`` (a context manager), or a null context."""
+    if a.llamacpp_bin is None:
+        return contextlib.nullcontext()
+    from specdec.models import default_cache_dir, resolve
+    from specdec.models.spec import DEFAULT_TARGET
+    from specdec_app.llamacpp import Interleaved, model_files
+
+    spec, cache = a.target_model or DEFAULT_TARGET, a.cache_dir or default_cache_dir()
+    gguf = a.llamacpp_model or model_files(spec, cache)[0]
+    return Interleaved(a.llamacpp_bin, gguf, resolve(spec, cache).hf_dir, a.llamacpp_threads, a.out)
+
+
 def main(a: argparse.Namespace) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     if a.launch:
-        with launched_stack(a) as (_, addrs):
+        with launched_stack(a) as (_, addrs), _llama(a) as llama:
             numerics = target_numerics(addrs["target"])
-            res = run_bench(a, addrs["orchestrator"], addrs["target"])
+            res = run_bench(a, addrs["orchestrator"], addrs["target"], llama)
         res["numerics"] = numerics
         others, skipped = baseline_pairs(numerics, a.baseline_pairs)
         res["baselines_skipped"] = skipped
@@ -474,7 +506,8 @@ def main(a: argparse.Namespace) -> int:
             prompts = [p for p in prompts if not a.only or p["id"] in a.only]
             add_fastest_baseline(res, off_baselines(a, prompts, others))
     else:
-        res = run_bench(a, a.address, a.target_address)
+        with _llama(a) as llama:
+            res = run_bench(a, a.address, a.target_address, llama)
         res["numerics"] = target_numerics(a.target_address)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), **machine_meta(),
             "target_dtype": res["numerics"]["dtype"], "target_backend": res["numerics"]["backend"],
@@ -488,9 +521,15 @@ def main(a: argparse.Namespace) -> int:
     for p in plots(res, a.out):
         print(f"wrote {p}")
     print(md)
-    if a.llamacpp:
+    llama_res = res.get("llamacpp")
+    if llama_res is not None:
+        llama_res["meta"] = {**meta, **llama_res["meta"], "command": meta["command"]}
+        (a.out / "llamacpp.json").write_text(json.dumps(llama_res, indent=2))
+    elif a.llamacpp:
+        llama_res = json.loads(a.llamacpp.read_text())
+    if llama_res is not None:
         from specdec_app.bench_compare import write
 
-        for p in write(res, json.loads(a.llamacpp.read_text()), a.out):
+        for p in write(res, llama_res, a.out):
             print(f"wrote {p}")
     return 0

@@ -89,6 +89,10 @@ def to_markdown(rows: list[dict[str, Any]], spec_meta: dict[str, Any], llama_met
              f"{spec_meta.get('max_new_tokens', '?')} new tokens. llama.cpp {llama_meta.get('llama_cpp_version', '?')}: "
              f"{llama_meta.get('date', '?')}, {llama_meta.get('threads', '?')} threads, "
              f"{llama_meta.get('max_new_tokens', '?')} new tokens.", ""]
+    if llama_meta.get("interleaved"):
+        lines += ["llama.cpp ran in the same run, interleaved with specdec prompt by prompt (`specdec bench "
+                  "--llamacpp-bin`): each prompt's requests went round every configuration, forwards then "
+                  "backwards, the fastest run of each kept.", ""]
     if spec_meta.get("max_new_tokens") != llama_meta.get("max_new_tokens"):
         lines += ["**The two runs asked for different token counts: not comparable.**", ""]
     for field, what in (("tok_s", "tok/s over the whole request (prefill included)"),

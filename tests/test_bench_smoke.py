@@ -100,3 +100,96 @@ def test_target_only_baselines_skip_pairs_that_cannot_be_the_fastest() -> None:
     assert keep == ["bfloat16/eager"] and sorted(skipped) == ["float32/eager", "float32/packed"]
     assert bench.baseline_pairs(numerics, "all")[0] == ["bfloat16/eager", "float32/packed", "float32/eager"]
     assert bench.baseline_pairs(numerics, "float32/eager")[0] == ["float32/eager"]
+
+
+STUB_SERVER = '''#!{python}
+"""A stand-in for llama.cpp's llama-server (not built in CI): /health, and a
+streamed /completion that answers a prompt of ids with its last id repeated,
+logging every request's ids."""
+import http.server, json, sys
+args = sys.argv[1:]
+if "--version" in args:
+    print("version: 0 (stub)", file=sys.stderr)
+    sys.exit(0)
+port = int(args[args.index("--port") + 1])
+LOG = {log!r}
+
+class H(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with open(LOG, "a") as f:
+            f.write(json.dumps(body["prompt"]) + "\\n")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n = min(3, body["n_predict"])
+        for i in range(n):
+            ev = {{"content": "x", "tokens": [body["prompt"][-1]], "stop": False}}
+            self.wfile.write(b"data: " + json.dumps(ev).encode() + b"\\n\\n")
+        end = {{"content": "", "tokens": [], "stop": True, "stop_type": "limit", "timings": {{"predicted_n": n}}}}
+        self.wfile.write(b"data: " + json.dumps(end).encode() + b"\\n\\n")
+
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def test_bench_runs_llamacpp_interleaved_on_the_same_prompt_ids(tiny_models, onnx_cache_dir: Path,  # type: ignore[no-untyped-def]
+                                                                 tmp_path: Path) -> None:
+    """--llamacpp-bin: llama-server (a stub here) is one more configuration of
+    every prompt, sent the prompt's ids as the orchestrator renders them, its
+    fastest run kept, written as llamacpp.json and compared in vs_llamacpp.*"""
+    import sys
+
+    from transformers import AutoTokenizer
+
+    stack = start_stack(tiny_models.target, tiny_models.draft, onnx_cache_dir)
+    try:
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        log = tmp_path / "requests.jsonl"
+        stub = bin_dir / "llama-server"
+        stub.write_text(STUB_SERVER.format(python=sys.executable, log=str(log)))
+        stub.chmod(0o755)
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text(
+            json.dumps({"id": "a", "category": "code-completion", "chat": False, "prompt": "def f(x):"}) + "\n"
+            + json.dumps({"id": "b", "category": "prose", "chat": True, "prompt": "tell me a story"}) + "\n"
+        )
+        p = argparse.ArgumentParser()
+        bench.add_arguments(p)
+        out = tmp_path / "out"
+        args = p.parse_args(["--address", stack.address, "--target-address", f"127.0.0.1:{stack.target.port}",
+                             "--prompts", str(prompts), "--gammas", "", "--policies", "auto", "--no-cost-curve",
+                             "--max-new-tokens", "8", "--repeats", "2", "--out", str(out),
+                             "--llamacpp-bin", str(bin_dir), "--llamacpp-model", str(tmp_path / "target.gguf"),
+                             "--target-model", str(tiny_models.target)])
+        assert bench.main(args) == 0
+        tok = AutoTokenizer.from_pretrained(str(tiny_models.target))
+        chat = tok.apply_chat_template([{"role": "user", "content": "tell me a story"}], add_generation_prompt=True,
+                                       tokenize=False)
+        want = {"a": tok("def f(x):")["input_ids"], "b": tok(chat, add_special_tokens=False)["input_ids"]}
+        sent = [json.loads(line) for line in log.read_text().splitlines()]
+        assert len(sent) == 1 + 2 * 2  # a warm-up, then every prompt's repeats
+        assert sent[1:3] == [want["a"]] * 2 and sent[3:] == [want["b"]] * 2
+        llama = json.loads((out / "llamacpp.json").read_text())
+        assert llama["meta"]["interleaved"] and llama["meta"]["llama_cpp_version"] == "0 (stub)"
+        assert {r["prompt"]: r["token_ids"] for r in llama["rows"]} == {k: [v[-1]] * 3 for k, v in want.items()}
+        res = json.loads((out / "results.json").read_text())
+        off = {r["prompt"]: r for r in res["rows"]}
+        for r in llama["rows"]:  # compared with specdec OFF's ids (the tiny target does not repeat one id)
+            assert r["identical_to_specdec_off"] is False
+        merged = {r["prompt"]: r for r in json.loads((out / "vs_llamacpp.json").read_text())["rows"]}
+        tok_s = {r["prompt"]: r["tok_s"] for r in llama["rows"]}
+        for pid, r in merged.items():
+            assert r["tok_s"]["llama.cpp target-only"] == tok_s[pid]
+            assert r["ratios"]["AUTO ÷ llama.cpp target-only"] == off[pid]["spec_tok_s"] / tok_s[pid]
+        assert "interleaved with specdec prompt by prompt" in (out / "vs_llamacpp.md").read_text()
+    finally:
+        stack.close()
