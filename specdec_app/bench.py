@@ -280,7 +280,7 @@ def run_bench(a: argparse.Namespace, orch: str, target: str, llama: Any = None) 
         raise SystemExit(f"specdec bench: unknown --policies {', '.join(unknown)} ({', '.join(MODES)})")
     drafters = [d.strip() for d in str(a.drafters).split(",") if d.strip()] or [""]
     rows: list[dict[str, Any]] = []
-    off_ids: dict[str, list[int]] = {}
+    llama_best: list[tuple[dict[str, Any], dict[str, Any], list[int]]] = []  # (prompt, fastest run, OFF's ids)
     with grpc.insecure_channel(orch) as ch:
         stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
         for d in drafters:
@@ -290,7 +290,8 @@ def run_bench(a: argparse.Namespace, orch: str, target: str, llama: Any = None) 
             schedule += [LLAMACPP] if llama is not None else []
             runs = _best_of_rounds(stub, prompt, schedule, a.max_new_tokens, a.repeats, llama)
             ref = runs[("off", 0, "")]
-            off_ids[prompt["id"]] = ref["token_ids"]
+            if llama is not None:
+                llama_best.append((prompt, runs[LLAMACPP], ref["token_ids"]))
             t_target = (ref["verify_ms"] - ref["prefill_ms"]) / max(1, ref["rounds"])  # a plain step, prefill out
             for drafter in drafters:
                 for mode, g in configs:
@@ -334,7 +335,7 @@ def run_bench(a: argparse.Namespace, orch: str, target: str, llama: Any = None) 
     curve = {} if a.no_cost_curve else cost_curve(target)
     res = {"rows": rows, "verify_cost_ms": curve, "max_new_tokens": a.max_new_tokens, "configs": configs}
     if llama is not None:
-        res["llamacpp"] = llama.report(off_ids)
+        res["llamacpp"] = llama.report(llama_best)
     return res
 
 
@@ -488,8 +489,11 @@ def _llama(a: argparse.Namespace) -> Any:
     from specdec_app.llamacpp import Interleaved, model_files
 
     spec, cache = a.target_model or DEFAULT_TARGET, a.cache_dir or default_cache_dir()
-    gguf = a.llamacpp_model or model_files(spec, cache)[0]
-    return Interleaved(a.llamacpp_bin, gguf, resolve(spec, cache).hf_dir, a.llamacpp_threads, a.out)
+    if a.llamacpp_model is None:
+        gguf, hf_dir = model_files(spec, cache)
+    else:
+        gguf, hf_dir = a.llamacpp_model, resolve(spec, cache).hf_dir
+    return Interleaved(a.llamacpp_bin, gguf, hf_dir, a.llamacpp_threads, a.out)
 
 
 def main(a: argparse.Namespace) -> int:
@@ -523,7 +527,7 @@ def main(a: argparse.Namespace) -> int:
     print(md)
     llama_res = res.get("llamacpp")
     if llama_res is not None:
-        llama_res["meta"] = {**meta, **llama_res["meta"], "command": meta["command"]}
+        llama_res["meta"] = {**meta, **llama_res["meta"]}
         (a.out / "llamacpp.json").write_text(json.dumps(llama_res, indent=2))
     elif a.llamacpp:
         llama_res = json.loads(a.llamacpp.read_text())

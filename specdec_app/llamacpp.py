@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import os
 import socket
 import subprocess
 import time
@@ -35,7 +36,8 @@ def model_files(spec: str, cache_dir: Path) -> tuple[Path, Path]:
     elif parsed.kind == "gguf":
         gguf = Path(parsed.value)
     else:
-        raise SystemExit(f"bench_llamacpp: {spec} is not a GGUF model (a built-in name or a .gguf path)")
+        raise SystemExit(f"llama.cpp needs a GGUF file: {spec} is not a GGUF model (a built-in name or a .gguf path; "
+                         "with specdec bench, --llamacpp-model FILE)")
     return gguf, resolve(spec, cache_dir).hf_dir
 
 
@@ -131,7 +133,8 @@ class Interleaved:
     ``llama-server`` on the GGUF file specdec serves (``--llamacpp-bin``),
     each prompt's requests taking their turn among specdec's (ABBA), so a
     slow spell of the machine falls on both alike. Start it with ``with``;
-    :meth:`run` times one request; :meth:`report` gives the runs in
+    :meth:`run` times one request (the bench keeps each prompt's fastest, as
+    for its own configurations); :meth:`report` gives those runs in
     scripts/bench_llamacpp.py's llamacpp.json format."""
 
     def __init__(self, bin_dir: Path, gguf: Path, tokenizer_dir: Path, threads: int, out: Path) -> None:
@@ -140,18 +143,20 @@ class Interleaved:
         as the orchestrator does."""
         from transformers import AutoTokenizer
 
-        self.bin = bin_dir
+        self.exe = bin_dir / "llama-server"
+        if not (self.exe.is_file() and os.access(self.exe, os.X_OK)):
+            raise SystemExit(f"specdec bench: no executable llama-server in {bin_dir} "
+                             "(bash scripts/bench_llamacpp.sh builds one)")
         self.threads = threads
         self.gguf = gguf
         self.tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         self.log = out / "server-target-only.log"
-        self.best: dict[str, dict[str, Any]] = {}
         self._stack = contextlib.ExitStack()
         self.port = 0
 
     def __enter__(self) -> "Interleaved":
-        cmd = [str(self.bin / "llama-server"), "-m", str(self.gguf), "-t", str(self.threads), "-tb",
-               str(self.threads), "-c", "4096", "-np", "1", "--no-webui"]
+        cmd = [str(self.exe), "-m", str(self.gguf), "-t", str(self.threads), "-tb", str(self.threads),
+               "-c", "4096", "-np", "1", "--no-webui"]
         print(f"[bench] llama.cpp target-only, interleaved: {' '.join(cmd)}", flush=True)
         self.port = self._stack.enter_context(server(cmd, self.log))
         complete(self.port, render(self.tok, {"prompt": "hello", "chat": False})[1], 4)  # warm-up
@@ -161,29 +166,22 @@ class Interleaved:
         self._stack.close()
 
     def run(self, prompt: dict[str, Any], max_new: int) -> dict[str, Any]:
-        """One greedy request; keeps the prompt's fastest run. The result
-        carries ``tokens_per_second`` as specdec's runs do."""
+        """One greedy request; the result carries ``tokens_per_second`` as
+        specdec's runs do."""
         _, ids = render(self.tok, prompt)
-        run = {**complete(self.port, ids, max_new), "prompt_tokens": len(ids)}
-        run["tokens_per_second"] = run["tok_s"]
-        old = self.best.get(prompt["id"])
-        if old is None or run["tok_s"] > old["tok_s"]:
-            self.best[prompt["id"]] = {**run, "prompt": prompt["id"], "category": prompt["category"]}
-        return run
+        run = complete(self.port, ids, max_new)
+        return {**run, "prompt_tokens": len(ids), "tokens_per_second": run["tok_s"]}
 
-    def report(self, off_ids: dict[str, list[int]]) -> dict[str, Any]:
-        """llamacpp.json's content: one target-only row per prompt, its ids
-        compared with specdec OFF's (``off_ids``)."""
-        version = subprocess.run([str(self.bin / "llama-server"), "--version"], capture_output=True, text=True,
-                                 timeout=60)
-        rows = []
-        for pid, run in self.best.items():
-            ref = off_ids.get(pid)
-            same = None if ref is None else run["token_ids"] == ref
-            rows.append({**run, "config": TARGET_ONLY, "identical_to_target_only": True,
-                         "identical_to_specdec_off": same})
+    def report(self, best: list[tuple[dict[str, Any], dict[str, Any], list[int]]]) -> dict[str, Any]:
+        """llamacpp.json's content from (prompt, its fastest run, specdec
+        OFF's ids) per prompt: one target-only row each, its ids compared
+        with OFF's."""
+        version = subprocess.run([str(self.exe), "--version"], capture_output=True, text=True, timeout=60)
+        rows = [{**run, "prompt": prompt["id"], "category": prompt["category"], "config": TARGET_ONLY,
+                 "identical_to_target_only": True, "identical_to_specdec_off": run["token_ids"] == off_ids}
+                for prompt, run, off_ids in best]
         build = [line for line in (version.stdout + version.stderr).splitlines() if line.startswith("version:")]
-        return {"meta": {"interleaved": True, "bin": str(self.bin), "target_gguf": str(self.gguf),
+        return {"meta": {"interleaved": True, "bin": str(self.exe.parent), "target_gguf": str(self.gguf),
                          "threads": self.threads,
                          "llama_cpp_version": build[0].removeprefix("version:").strip() if build else "unknown"},
                 "llama_bench": [], "rows": rows}

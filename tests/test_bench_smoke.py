@@ -7,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
+import pytest
+
 from specdec_app import bench, bench_report
 from tests.stack import start_stack
 
@@ -191,5 +193,12 @@ def test_bench_runs_llamacpp_interleaved_on_the_same_prompt_ids(tiny_models, onn
             assert r["tok_s"]["llama.cpp target-only"] == tok_s[pid]
             assert r["ratios"]["AUTO ÷ llama.cpp target-only"] == off[pid]["spec_tok_s"] / tok_s[pid]
         assert "interleaved with specdec prompt by prompt" in (out / "vs_llamacpp.md").read_text()
+        # a bin directory without llama-server: a clear message before anything starts
+        empty = tmp_path / "empty-bin"
+        empty.mkdir()
+        bad = p.parse_args(["--address", stack.address, "--out", str(tmp_path / "bad"), "--llamacpp-bin", str(empty),
+                            "--llamacpp-model", str(tmp_path / "target.gguf"), "--target-model", str(tiny_models.target)])
+        with pytest.raises(SystemExit, match="no executable llama-server in"):
+            bench.main(bad)
     finally:
         stack.close()
