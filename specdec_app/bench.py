@@ -263,6 +263,18 @@ def _best_of_rounds(
     return best
 
 
+def select_prompts(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """The prompt file's prompts, only those ``--only`` names (repeated or
+    comma-separated); an id the file lacks is an error, not an empty run."""
+    prompts = [json.loads(line) for line in a.prompts.read_text().splitlines() if line.strip()]
+    wanted = [i.strip() for arg in a.only or [] for i in arg.split(",") if i.strip()]
+    unknown = sorted(set(wanted) - {p["id"] for p in prompts})
+    if unknown:
+        raise SystemExit(f"specdec bench: --only {', '.join(unknown)}: not in {a.prompts} "
+                         f"({', '.join(p['id'] for p in prompts)})")
+    return [p for p in prompts if not wanted or p["id"] in wanted]
+
+
 def run_bench(a: argparse.Namespace, orch: str, target: str, llama: Any = None) -> dict[str, Any]:
     """``llama``: a started ``specdec_app.llamacpp.Interleaved`` (one more
     configuration of every prompt) or None."""
@@ -270,9 +282,7 @@ def run_bench(a: argparse.Namespace, orch: str, target: str, llama: Any = None) 
 
     from specdec.v1 import orchestrator_pb2_grpc
 
-    prompts = [json.loads(line) for line in a.prompts.read_text().splitlines() if line.strip()]
-    if a.only:
-        prompts = [p for p in prompts if p["id"] in a.only]
+    prompts = select_prompts(a)
     configs = [("fixed", int(g)) for g in str(a.gammas).split(",") if g]
     configs += [(p.strip(), 0) for p in str(a.policies).split(",") if p.strip()]
     unknown = sorted({m for m, _ in configs} - set(MODES))
@@ -506,9 +516,7 @@ def main(a: argparse.Namespace) -> int:
         others, skipped = baseline_pairs(numerics, a.baseline_pairs)
         res["baselines_skipped"] = skipped
         if others and not a.no_fastest_baseline:
-            prompts = [json.loads(line) for line in a.prompts.read_text().splitlines() if line.strip()]
-            prompts = [p for p in prompts if not a.only or p["id"] in a.only]
-            add_fastest_baseline(res, off_baselines(a, prompts, others))
+            add_fastest_baseline(res, off_baselines(a, select_prompts(a), others))
     else:
         with _llama(a) as llama:
             res = run_bench(a, a.address, a.target_address, llama)

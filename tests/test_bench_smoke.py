@@ -202,3 +202,22 @@ def test_bench_runs_llamacpp_interleaved_on_the_same_prompt_ids(tiny_models, onn
             bench.main(bad)
     finally:
         stack.close()
+
+
+def test_only_takes_comma_separated_ids_and_refuses_unknown_ones(tmp_path: Path) -> None:
+    """`--only a,c` and `--only a --only c` pick the same prompts; an id the
+    prompt file lacks stops the bench with the known ids, not an empty table."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "category": "prose", "chat": True, "prompt": i}) + "\n"
+                               for i in ("a", "b", "c")))
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+
+    def ids(*only: str) -> list[str]:
+        argv = ["--prompts", str(prompts)] + [x for o in only for x in ("--only", o)]
+        return [q["id"] for q in bench.select_prompts(p.parse_args(argv))]
+
+    assert ids() == ["a", "b", "c"]
+    assert ids("a,c") == ids("a", "c") == ids(" c , a") == ["a", "c"]
+    with pytest.raises(SystemExit, match=r"--only x, y: not in .*\(a, b, c\)"):
+        ids("a,x", "y")
