@@ -6,11 +6,16 @@ replica pools' routing events into per-replica series.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any
 
 from orchestrator.policy import PolicyFactory, RoundObservation
 from orchestrator.routing import Replica
+from specdec.logging_util import log
 from specdec.metrics import OrchestratorMetrics
+
+logger = logging.getLogger("specdec.orchestrator.rounds")
 
 
 class MetricsSink:
@@ -24,6 +29,8 @@ class MetricsSink:
 
     def on_round(self, obs: RoundObservation, drafter: str) -> None:
         self.policies.observe(obs, drafter)
+        if logger.isEnabledFor(logging.DEBUG):  # --log-level debug: one line per verified round
+            log(logger, logging.DEBUG, "round", drafter=drafter, **dataclasses.asdict(obs))
         m = self.m
         m.rounds.inc()
         m.verify_time.observe(obs.verify_compute_ms / 1e3)
