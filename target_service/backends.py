@@ -32,8 +32,10 @@ converted modules, so a session computes all its logits in one precision.
   linear layer's input quantized to int8 per 16 elements (a float32 scale
   each) and the products summed exactly in int32 (AVX-512 VNNI, or AVX2
   ``vpmaddubsw``), as llama.cpp computes K-quants; the same bits on both
-  builds. It rounds the activations more than bf16 does: its fidelity is
-  outside the bound, so it is explicit only (``--target-backend kquant-a8``).
+  builds. It rounds the activations more than ``kquant`` does (mean KL 3.2e-4
+  against the file, ``kquant`` 2.6e-5), less than transformers' bf16 does
+  (bf16 eager 5.1e-4): ``auto`` may choose it where calibration finds it
+  within the bound of bf16 eager's fidelity and faster.
 
 For the quantized pairs "bfloat16" names the rounding of each linear
 layer's input (int8 for kquant-a8); everything else computes in float32.
@@ -55,12 +57,11 @@ import torch
 BACKENDS = ("eager", "packed", "bf16w", "kquant", "kquant-a8", "int4", "int4-q8")
 #: backends whose linear layers come from the GGUF's quantized blocks
 QUANT_BACKENDS = ("kquant", "kquant-a8", "int4", "int4-q8")
-#: quantized backends ``auto`` may choose (fidelity permitting). int4-q8 is
-#: lossy; kquant-a8 computes the same bits on every x86 build and its measured
-#: fidelity (mean KL 3.2e-4 against the file, docs/benchmarks.md) is outside
-#: the bound of the bf16 pairs, so calibrating it at every start would only
-#: cost start-up time: both are explicit only
-AUTO_QUANT_BACKENDS = ("kquant", "int4")
+#: quantized backends ``auto`` may choose (fidelity permitting: within the
+#: bound of bf16 eager's, target_service/calibration.py
+#: ``fidelity_admissible``). int4-q8 is lossy (its 6-bit tensors requantized
+#: to 8 bits): explicit only
+AUTO_QUANT_BACKENDS = ("kquant", "kquant-a8", "int4")
 DTYPES = ("bfloat16", "float32", "float16")
 
 # cpu flags reported (lscpu / /proc/cpuinfo names)
@@ -131,7 +132,7 @@ def eligible_pairs(device: torch.device, gguf_path: Path | None = None) -> list[
     no bf16). On CPU: bf16 and float32 eager, float32 packed, bf16 packed
     where oneDNN has native BF16, bf16w, and, when the model's GGUF is at
     ``gguf_path`` with Q4_K layers, the quantized pairs this CPU runs
-    (``kquant``, ``int4``; chosen only within the fidelity bound)."""
+    (``kquant``, ``kquant-a8``, ``int4``; chosen only within the fidelity bound)."""
     if device.type == "cuda":
         return [("bfloat16" if torch.cuda.is_bf16_supported() else "float16", "eager")]
     if device.type != "cpu":

@@ -121,26 +121,43 @@ def pick_pair(
     return Choice(best, scores, draft_ms)
 
 
+def fidelity_reference(pairs: Sequence[Pair], fidelity: Mapping[Pair, Mapping[str, object]]) -> tuple[Pair, Mapping[str, object]] | None:
+    """The pair whose fidelity bounds the quantized pairs': ``bfloat16/eager``,
+    transformers' own bf16 computation of the same file (the numerics ``auto``
+    admits without any check, and what a bf16 deployment of this checkpoint
+    computes). Where it was not measured, the most faithful non-quantized bf16
+    pair (the stricter bound); None when no bf16 pair was measured."""
+    from target_service.backends import QUANT_BACKENDS
+
+    if ("bfloat16", "eager") in fidelity and ("bfloat16", "eager") in pairs:
+        return ("bfloat16", "eager"), fidelity[("bfloat16", "eager")]
+    bf16 = [p for p in pairs if p[0] == "bfloat16" and p[1] not in QUANT_BACKENDS and p in fidelity]
+    if not bf16:
+        return None
+    best = min(bf16, key=lambda p: float(fidelity[p]["mean_kl"]))  # type: ignore[arg-type]
+    return best, fidelity[best]
+
+
 def fidelity_admissible(pairs: Sequence[Pair], fidelity: Mapping[Pair, Mapping[str, object]]) -> tuple[list[Pair], dict[Pair, str]]:
     """The pairs ``auto`` may choose: every non-quantized pair, and each
-    quantized one whose measured fidelity is within the bound of the best
-    bf16 pair's (``target_service.fidelity.within_bound``); the others with
-    the reason they are left out."""
+    quantized one whose measured fidelity is within the bound of the
+    reference bf16 pair's (:func:`fidelity_reference`,
+    ``target_service.fidelity.within_bound``); the others with the reason
+    they are left out."""
     from target_service.backends import QUANT_BACKENDS
     from target_service.fidelity import within_bound
 
-    bf16 = [fidelity[p] for p in pairs if p[0] == "bfloat16" and p[1] not in QUANT_BACKENDS and p in fidelity]
-    best_bf16 = min(bf16, key=lambda f: float(f["mean_kl"])) if bf16 else None  # type: ignore[arg-type]
+    ref = fidelity_reference(pairs, fidelity)
     ok, out = [], {}
     for p in pairs:
         if p[1] not in QUANT_BACKENDS:
             ok.append(p)
-        elif p not in fidelity or best_bf16 is None:
+        elif p not in fidelity or ref is None:
             out[p] = "its fidelity against the exact dequantization was not measured"
-        elif not within_bound(dict(fidelity[p]), dict(best_bf16)):
+        elif not within_bound(dict(fidelity[p]), dict(ref[1])):
             out[p] = (f"mean KL {float(fidelity[p]['mean_kl']):.2e} / top-1 {float(fidelity[p]['top1_agreement']):.4f} "
-                      f"is outside the bound of the best bf16 pair's ({float(best_bf16['mean_kl']):.2e} / "
-                      f"{float(best_bf16['top1_agreement']):.4f})")
+                      f"is outside the bound of {pair_key(ref[0])}'s ({float(ref[1]['mean_kl']):.2e} / "
+                      f"{float(ref[1]['top1_agreement']):.4f})")
         else:
             ok.append(p)
     return ok, out
@@ -444,9 +461,11 @@ def machine_identity(device: "torch.device") -> dict[str, object]:
     return ident
 
 
-#: tokens of the fidelity corpus scored at calibration (one window; the
+#: tokens of the fidelity corpus scored at calibration (the
 #: ``specdec fidelity`` command scores 2,048 and more)
-CALIBRATION_FIDELITY_TOKENS = 256
+CALIBRATION_FIDELITY_TOKENS = 1024
+#: tokens per teacher-forced pass of that sample (as ``specdec fidelity``)
+CALIBRATION_FIDELITY_WINDOW = 512
 
 
 #: the backends whose kernel takes a setting chosen by timing (kquant.tune_prefetch)
@@ -499,7 +518,7 @@ def calibrate(
             cache_root,
             {**machine_identity(device), "model": model_name, "hf_dir": str(hf_dir),
              "gguf": str(gguf_path or ""), "ks": list(CALIBRATION_KS), "kv": CALIBRATION_KV,
-             "fidelity_tokens": CALIBRATION_FIDELITY_TOKENS},
+             "fidelity_tokens": CALIBRATION_FIDELITY_TOKENS, "fidelity_window": CALIBRATION_FIDELITY_WINDOW},
         )
     kept: dict[str, object] = {}
 
@@ -531,7 +550,8 @@ def calibrate(
         ids, digest = fidelity.corpus_ids(AutoTokenizer.from_pretrained(str(hf_dir)), CALIBRATION_FIDELITY_TOKENS)
         ref_model = model if model is not None else load_model(hf_dir, parse_dtype("float32"), "eager", device, model_name)
         reference["ids"], reference["digest"] = ids, digest
-        reference["logprobs"] = fidelity.reference_logprobs(fidelity.model_forward(ref_model), ids, len(ids))
+        reference["logprobs"] = fidelity.reference_logprobs(fidelity.model_forward(ref_model), ids,
+                                                             CALIBRATION_FIDELITY_WINDOW)
         del ref_model
 
     def measure_pair(pair: Pair) -> Measured:
@@ -554,7 +574,7 @@ def calibrate(
             ensure_reference(model if pair == ("float32", "eager") else None)
             ids = reference["ids"]
             fid = fidelity.compare(fidelity.model_forward(model), ids, reference["logprobs"],  # type: ignore[arg-type]
-                                   len(ids), str(reference["digest"])).to_dict()  # type: ignore[arg-type]
+                                   CALIBRATION_FIDELITY_WINDOW, str(reference["digest"])).to_dict()  # type: ignore[arg-type]
         log(logger, logging.INFO, "calibrated target", dtype=pair[0], backend=pair[1],
             **{f"k{k}_ms": round(v, 1) for k, v in curve.items()},
             **({"prefetch": tunings[pair]["prefetch"]} if pair in tunings else {}),

@@ -33,7 +33,7 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "") -> FlagSet:
                "kquant-a8 (the same codes, int8 activations per 16 elements, exact int32 sums); "
                "int4 (Q4_K on torch's int4 kernel, 6-bit tensors bf16); "
                "int4-q8 (LOSSY: int4 with 6-bit tensors requantized to int8); auto = calibrated at start-up "
-               "(a quantized pair only within the fidelity bound, docs/benchmarks.md)")
+               "(a quantized pair only within the fidelity bound of bf16 eager's, docs/benchmarks.md)")
     f.add("gguf", dest="target_gguf", default=None,
           help="the GGUF a local HF model directory was converted from: the quantized backends read its "
                "blocks (a built-in name or a .gguf model spec finds its own file)")

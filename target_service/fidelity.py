@@ -24,14 +24,17 @@ from typing import Any, Callable, Sequence
 import torch
 
 #: what a quantized pair's fidelity must reach for ``--target-dtype auto``
-#: to choose it without being asked (docs/benchmarks.md, "Fidelity"): its mean
-#: KL from the exact dequantization at most KL_BOUND_FACTOR times the best
-#: bf16 pair's; its top-1 agreement at most TOP1_BOUND below it, or
-#: TOP1_MIN_FLIPS positions' worth where the sample is too small to resolve
-#: TOP1_BOUND (calibration scores 256 tokens: one position is 0.39 points, so
-#: a single near-tie flipped by the last bit would otherwise exclude a pair
-#: whose mean KL is half the bf16 pair's); and no more decisive disagreements
-#: (the reference's top-2 logit gap above 0.5) than the bf16 pair
+#: to choose it without being asked (docs/benchmarks.md, "Fidelity"), against
+#: the reference bf16 pair, bf16 eager (transformers' own bf16 computation of
+#: the same file: what ``auto`` admits without a check;
+#: ``calibration.fidelity_reference``): its mean KL from the exact
+#: dequantization at most KL_BOUND_FACTOR times the reference's; its top-1
+#: agreement at most TOP1_BOUND below it, or TOP1_MIN_FLIPS positions' worth
+#: where the sample is too small to resolve TOP1_BOUND (calibration scores 256
+#: tokens: one position is 0.39 points, so a single near-tie flipped by the
+#: last bit would otherwise exclude a pair whose mean KL is half the
+#: reference's); and no more decisive disagreements (the reference's top-2
+#: logit gap above 0.5) than the reference
 KL_BOUND_FACTOR = 1.0
 TOP1_BOUND = 0.002
 TOP1_MIN_FLIPS = 2
@@ -130,7 +133,7 @@ def compare(forward: Forward, ids: Sequence[int], ref: Sequence[torch.Tensor], w
 
 def within_bound(candidate: Fidelity | dict[str, Any], bf16: Fidelity | dict[str, Any]) -> bool:
     """Whether a quantized pair's fidelity is within the stated bound of the
-    best bf16 pair's (the rule ``--target-dtype auto`` applies)."""
+    reference bf16 pair's (the rule ``--target-dtype auto`` applies)."""
     c = candidate if isinstance(candidate, dict) else candidate.to_dict()
     b = bf16 if isinstance(bf16, dict) else bf16.to_dict()
     if not (math.isfinite(c["mean_kl"]) and math.isfinite(b["mean_kl"])):

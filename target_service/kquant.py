@@ -44,8 +44,9 @@ are far cheaper than the bf16 ones: on CPUs where the bf16 path is
 compute-bound (Zen 4 runs 512-bit ``vdpbf16ps`` at half rate, AVX2 has no
 bf16 product) this is what makes a k-token verify cost about one step. It
 rounds the input more coarsely than bf16 (8 bits per 16 elements against 8
-significant bits each): its fidelity is outside the bound ``auto`` applies,
-so it is explicit only.
+significant bits each): its fidelity against the file is below ``kquant``'s
+and above transformers' bf16 computation's, so ``auto`` chooses it where
+calibration finds it within that bound and faster.
 """
 
 from __future__ import annotations

@@ -374,6 +374,37 @@ def test_auto_chooses_a_quantized_pair_only_within_the_fidelity_bound(quant_fid,
     assert "bfloat16/packed" not in res.excluded
 
 
+EAGER_FID = {**BF16_FID, "mean_kl": 5.1e-4, "top1_agreement": 0.9878, "decisive_disagreements": 0}
+BF16W_FID = {**BF16_FID, "mean_kl": 4.1e-5, "top1_agreement": 0.9976, "decisive_disagreements": 0}
+
+
+@pytest.mark.parametrize("a8_fid,with_eager,chosen", [
+    # as faithful as transformers' bf16 (bf16 eager) and faster: auto may choose it, though bf16w is closer
+    (fid(3.2e-4, 0.9917), True, ("bfloat16", "kquant-a8")),
+    (fid(5.0e-4, 0.9880), True, ("bfloat16", "kquant-a8")),
+    # negative controls: a mean KL above bf16 eager's, a top-1 more than the tolerance below it,
+    # or a decisive disagreement bf16 eager does not make: never chosen
+    (fid(5.2e-4, 0.9917), True, ("bfloat16", "bf16w")),
+    (fid(3.2e-4, 0.9878 - 3 / 256), True, ("bfloat16", "bf16w")),
+    ({**fid(3.2e-4, 0.9917), "decisive_disagreements": 1}, True, ("bfloat16", "bf16w")),
+    # bf16 eager not measured: the stricter bound of the most faithful bf16 pair measured (bf16w)
+    (fid(3.2e-4, 0.9917), False, ("bfloat16", "bf16w")),
+])
+def test_the_fidelity_bound_is_bf16_eager_s(a8_fid, with_eager, chosen) -> None:  # type: ignore[no-untyped-def]
+    from target_service import calibration as cal
+
+    pairs = [("bfloat16", "eager"), ("bfloat16", "bf16w"), ("bfloat16", "kquant-a8")]
+    measured = {("bfloat16", "eager"): (SLOW, EAGER_FID if with_eager else None),
+                ("bfloat16", "bf16w"): ({k: 2 * v for k, v in FLAT.items()}, BF16W_FID),
+                ("bfloat16", "kquant-a8"): (FLAT, a8_fid)}
+    res = cal.choose(pairs, lambda p: measured[p], None, fidelity_needed=True)
+    assert (res.dtype, res.backend) == chosen
+    assert ("bfloat16/kquant-a8" in res.excluded) == (chosen != ("bfloat16", "kquant-a8"))
+    if chosen != ("bfloat16", "kquant-a8"):
+        ref = "bfloat16/eager" if with_eager else "bfloat16/bf16w"
+        assert ref in res.excluded["bfloat16/kquant-a8"]
+
+
 def test_explicit_quantized_flags_win_without_a_fidelity_check(quant_model: tuple[Path, Path]) -> None:
     from target_service import calibration as cal
 
@@ -389,7 +420,8 @@ def test_explicit_quantized_flags_win_without_a_fidelity_check(quant_model: tupl
         cal.resolve_pairs("auto", "kquant", cpu, None)
     auto, how = cal.resolve_pairs("auto", "auto", cpu, gguf)
     assert ("bfloat16", "int4-q8") not in auto  # lossy: explicit only
-    assert ("bfloat16", "kquant-a8") not in auto  # outside the fidelity bound: explicit only
+    if kquant.available()[0]:
+        assert ("bfloat16", "kquant-a8") in auto  # a candidate; chosen only within the fidelity bound
     assert how == "calibration"
     if kquant.available()[0]:
         assert cal.resolve_pairs("auto", "kquant-a8", cpu, gguf) == ([("bfloat16", "kquant-a8")], "flags")
