@@ -23,8 +23,6 @@ keeps results per machine and model.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import statistics
@@ -37,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
 from specdec.logging_util import log
+from target_service.calibration_cache import CalibrationCache, Curve, Pair, machine_identity, pair_key
 
 logger = logging.getLogger("specdec.target")
 
@@ -48,10 +47,7 @@ CALIBRATION_KV = 128  # tokens of KV cache behind the measured pass (a short pro
 ACCEPTANCE_MIX = (0.1, 0.3, 0.5, 0.7, 0.8, 0.9)
 DRAFT_RATIO = 0.1  # draft cost per token / the fastest target step
 GAMMA_MAX = 8
-CACHE_VERSION = 2
 
-Curve = dict[int, float]  # k -> ms for one forward pass of k new tokens
-Pair = tuple[str, str]  # (dtype, backend)
 Measured = tuple[Curve, "dict[str, object] | None"]  # a pair's curve and its fidelity (or None)
 
 
@@ -206,6 +202,8 @@ class CalibrationResult:
     # when a quantized pair is a candidate), and why pairs were not admissible
     fidelity: dict[str, dict[str, object]] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)
+    # quantized pairs whose fidelity was not scored: slower than the choice
+    unscored: list[str] = field(default_factory=list)
     # "dtype/backend" -> kernel settings chosen by timing with the curve
     # (kquant: {"prefetch": distance, "ms": ...}); the chosen pair's are in force
     tuning: dict[str, dict[str, object]] = field(default_factory=dict)
@@ -217,7 +215,7 @@ class CalibrationResult:
     def table(self) -> str:
         """The curves as text lines (logs, docs)."""
         ks = sorted({k for c in self.curves.values() for k in c})
-        lines = ["pair              " + " ".join(f"k={k:<6}" for k in ks) + "  score tok/s"
+        lines = ["pair               " + " ".join(f"k={k:<6}" for k in ks) + "  score tok/s"
                  + ("  mean KL   top-1" if self.fidelity else "")]
         for key, c in self.curves.items():
             mark = "*" if key == pair_key((self.dtype, self.backend)) else " "
@@ -226,12 +224,25 @@ class CalibrationResult:
             tail = f"  {float(fid['mean_kl']):.2e}  {float(fid['top1_agreement']):.4f}" if fid else ""
             if key in self.excluded:
                 tail += "  (not admissible)"
-            lines.append(f"{mark}{key:<17}{cells}  {self.scores.get(key, 0.0):.2f}{tail}")
+            lines.append(f"{mark}{key:<18}{cells}  {self.scores.get(key, 0.0):.2f}{tail}")
         return "\n".join(lines)
 
 
-def pair_key(pair: Pair) -> str:
-    return f"{pair[0]}/{pair[1]}"
+#: the order in which quantized pairs are timed: the one that is usually
+#: fastest first, so that a slower one's fidelity need not be scored
+QUANT_MEASURE_ORDER = ("kquant-a8", "kquant", "int4", "int4-q8")
+
+
+def reference_to_score(pairs: Sequence[Pair], fidelity: Mapping[Pair, object], unscorable: Collection[Pair]) -> list[Pair]:
+    """The pairs still to score for :func:`fidelity_reference`: bf16 eager,
+    or where it is not a candidate (or cannot be scored) the other
+    non-quantized bf16 pairs."""
+    from target_service.backends import QUANT_BACKENDS
+
+    if ("bfloat16", "eager") in pairs and ("bfloat16", "eager") not in unscorable:
+        return [] if ("bfloat16", "eager") in fidelity else [("bfloat16", "eager")]
+    return [p for p in pairs if p[0] == "bfloat16" and p[1] not in QUANT_BACKENDS
+            and p not in fidelity and p not in unscorable]
 
 
 def choose(
@@ -240,20 +251,54 @@ def choose(
     cache: "CalibrationCache | None" = None,
     fidelity_needed: bool = False,
     tunings: "dict[Pair, dict[str, object]] | None" = None,
+    measure_fidelity: "Callable[[Pair], dict[str, object] | None] | None" = None,
 ) -> CalibrationResult:
-    """Measures every pair (or takes them from ``cache``) and picks one.
+    """Measures every pair's curve (or takes it from ``cache``) and picks one.
     ``tunings``: the kernel settings ``measure`` chose per pair (it fills the
     dict); they are cached with the curve and come back from the cache.
-    With ``fidelity_needed`` (a quantized pair is a candidate), a cached pair
-    without a fidelity is measured again, and the quantized pairs outside the
-    fidelity bound are not admissible (:func:`fidelity_admissible`)."""
+
+    With ``fidelity_needed`` (a quantized pair is a candidate), the quantized
+    pairs outside the fidelity bound are not admissible
+    (:func:`fidelity_admissible`). A fidelity costs a teacher-forced pass
+    over the calibration sample, the longest part of a first start on a CPU
+    without native bf16, so it is scored (``measure_fidelity``) only where
+    it decides the choice: for a quantized pair that would beat every pair
+    admissible so far, right after its curve (its model is still loaded),
+    and for the bound's reference pair when such a pair needs it. A quantized
+    pair slower than the choice is never scored; nor is a non-quantized pair
+    other than the reference and the chosen one, which is reported with
+    its fidelity (``specdec fidelity`` scores them all). A fidelity
+    ``measure`` returns is taken as measured."""
+    from target_service.backends import QUANT_BACKENDS
+
     t0 = time.perf_counter()
     curves: dict[Pair, Curve] = {}
     fidelity: dict[Pair, dict[str, object]] = {}
+    unscorable: set[Pair] = set()
     cached_all = True
-    for pair in pairs:
+
+    def ordered() -> dict[Pair, Curve]:  # pick_pair breaks ties by this order
+        return {p: curves[p] for p in pairs if p in curves}
+
+    def score(pair: Pair) -> bool:
+        nonlocal cached_all
+        if pair in fidelity or pair in unscorable or measure_fidelity is None:
+            return pair in fidelity
+        cached_all = False
+        log(logger, logging.INFO, "scoring fidelity", dtype=pair[0], backend=pair[1])
+        got = measure_fidelity(pair)
+        if got is None:
+            unscorable.add(pair)
+            return False
+        fidelity[pair] = got
+        if cache is not None:
+            cache.put(pair, curves[pair], got)
+        return True
+
+    quant = [p for b in QUANT_MEASURE_ORDER for p in pairs if p[1] == b]
+    for pair in [p for p in pairs if p not in quant] + quant + [p for p in pairs if p[1] in QUANT_BACKENDS and p not in quant]:
         got = cache.get_entry(pair) if cache is not None else None
-        if got is None or (fidelity_needed and got[1] is None):
+        if got is None:
             cached_all = False
             log(logger, logging.INFO, "calibrating target", dtype=pair[0], backend=pair[1])
             got = measure(pair)
@@ -264,16 +309,37 @@ def choose(
         curves[pair] = got[0]
         if got[1] is not None:
             fidelity[pair] = got[1]
-    admissible, excluded = (fidelity_admissible(pairs, fidelity) if fidelity_needed else (list(pairs), {}))
+        if fidelity_needed and pair[1] in QUANT_BACKENDS and pair not in fidelity:
+            scores = pick_pair(ordered()).scores
+            bar = max((s for p, s in scores.items() if p[1] not in QUANT_BACKENDS or p in fidelity), default=0.0)
+            if scores[pair] > bar:
+                score(pair)
+
+    while True:
+        admissible, excluded = (fidelity_admissible(pairs, fidelity) if fidelity_needed else (list(pairs), {}))
+        choice = pick_pair(ordered(), admissible=admissible)  # one pair: that pair
+        if measure_fidelity is None:
+            break
+        faster = sorted((p for p in excluded if p not in unscorable and choice.scores[p] > choice.scores[choice.pair]),
+                        key=lambda p: -choice.scores[p])
+        refs = reference_to_score(pairs, fidelity, unscorable) if faster else []
+        todo = refs or [p for p in faster if p not in fidelity][:1]
+        if not todo:  # nothing faster, or scored and outside the bound
+            break
+        for p in todo:
+            score(p)
+    if fidelity_needed and choice.pair[1] not in QUANT_BACKENDS:
+        score(choice.pair)  # reported with the numerics (GetModelInfo, bench)
+    unscored = [pair_key(p) for p in excluded if p not in fidelity and p not in unscorable and measure_fidelity is not None]
+    excluded = {p: why for p, why in excluded.items() if pair_key(p) not in unscored}
     if excluded:
         log(logger, logging.WARNING, "quantized numerics not admissible for auto",
             pairs={pair_key(p): why for p, why in excluded.items()})
-    choice = pick_pair(curves, admissible=admissible)  # one pair: that pair
     dtype, backend = choice.pair
     return CalibrationResult(
         dtype=dtype,
         backend=backend,
-        curves={pair_key(p): c for p, c in curves.items()},
+        curves={pair_key(p): c for p, c in ordered().items()},
         scores={pair_key(p): round(s, 3) for p, s in choice.scores.items()},
         draft_ms=round(choice.draft_ms, 3),
         cached=cached_all,
@@ -281,64 +347,8 @@ def choose(
         fidelity={pair_key(p): f for p, f in fidelity.items()},
         excluded={pair_key(p): why for p, why in excluded.items()},
         tuning={pair_key(p): t for p, t in (tunings or {}).items() if t},
+        unscored=unscored,
     )
-
-
-class CalibrationCache:
-    """Measured curves in one JSON file per (machine, model, threads, torch):
-    a machine whose CPU, thread count or torch changes measures again."""
-
-    def __init__(self, root: Path, identity: Mapping[str, object]) -> None:
-        self.identity = {"version": CACHE_VERSION, **identity}
-        digest = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:16]
-        self.path = Path(root) / f"{digest}.json"
-        self._data: dict[str, Curve] | None = None
-        self._fidelity: dict[str, dict[str, object]] = {}
-        self._tuning: dict[str, dict[str, object]] = {}
-
-    def _load(self) -> dict[str, Curve]:
-        if self._data is None:
-            self._data = {}
-            try:
-                raw = json.loads(self.path.read_text())
-                if raw.get("identity") == json.loads(json.dumps(self.identity)):
-                    self._data = {key: {int(k): float(v) for k, v in c.items()} for key, c in raw["curves"].items()}
-                    self._fidelity = {key: dict(f) for key, f in (raw.get("fidelity") or {}).items()}
-                    self._tuning = {key: dict(t) for key, t in (raw.get("tuning") or {}).items()}
-            except (OSError, ValueError, KeyError, AttributeError, TypeError):
-                pass
-        return self._data
-
-    def get(self, pair: Pair) -> Curve | None:
-        return self._load().get(pair_key(pair))
-
-    def get_entry(self, pair: Pair) -> Measured | None:
-        """(curve, fidelity or None), or None when the pair was not measured."""
-        curve = self.get(pair)
-        return None if curve is None else (curve, self._fidelity.get(pair_key(pair)))
-
-    def get_tuning(self, pair: Pair) -> dict[str, object]:
-        """The kernel settings measured with ``pair``'s curve ({} if none)."""
-        self._load()
-        return dict(self._tuning.get(pair_key(pair), {}))
-
-    def put(self, pair: Pair, curve: Curve, fidelity: "dict[str, object] | None" = None,
-            tuning: "dict[str, object] | None" = None) -> None:
-        data = self._load()
-        data[pair_key(pair)] = dict(curve)
-        if fidelity is not None:
-            self._fidelity[pair_key(pair)] = dict(fidelity)
-        if tuning:
-            self._tuning[pair_key(pair)] = dict(tuning)
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"identity": self.identity, "curves": data, "fidelity": self._fidelity,
-                                       "tuning": self._tuning}, indent=1, sort_keys=True))
-            os.replace(tmp, self.path)
-        except OSError as e:  # a read-only cache only costs a re-measure next start
-            log(logger, logging.WARNING, "could not write the calibration cache", path=str(self.path), error=repr(e))
-
 
 
 # ------------------------------------------------------------- start-up
@@ -426,41 +436,6 @@ def available_memory_bytes() -> int:
     return out
 
 
-def _kernel_digest() -> str:
-    from target_service.bf16w import C_SOURCE
-    from target_service.kquant import _SOURCE
-
-    return hashlib.sha256((C_SOURCE + _SOURCE.read_text()).encode()).hexdigest()[:12]
-
-
-def machine_identity(device: "torch.device") -> dict[str, object]:
-    """What makes a measured curve valid: CPU (or GPU), ISA limits in force,
-    threads and torch."""
-    import torch
-
-    from target_service import attention, fastlayers
-    from target_service.backends import compute_threads, cpu_info
-
-    info = cpu_info()
-    ident: dict[str, object] = {
-        "cpu": info.model,
-        "isa": info.isa,
-        "mkldnn_bf16": info.mkldnn_bf16,
-        "threads": compute_threads(),
-        "torch": torch.__version__,
-        "device": str(device),
-        # runtime ISA caps (the AVX2 emulation of docs/benchmarks.md)
-        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
-        "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
-        "kernels": _kernel_digest(),  # a changed bf16w kernel measures again
-        "attention": attention.IDENTITY,  # a changed attention path measures again
-        "layers": fastlayers.IDENTITY,  # so does a changed decoder-layer path (kquant)
-    }
-    if device.type == "cuda":
-        ident["gpu"] = torch.cuda.get_device_name(device)
-    return ident
-
-
 #: tokens of the fidelity corpus scored at calibration (the
 #: ``specdec fidelity`` command scores 2,048 and more)
 CALIBRATION_FIDELITY_TOKENS = 1024
@@ -498,9 +473,10 @@ def calibrate(
     kept, the chosen pair's loaded model (None: load it). With
     ``measure=False`` and an explicit pair, nothing is timed and the result
     has no curve. When a quantized pair is a candidate for an automatic
-    choice, every pair's fidelity against ``float32/eager`` is measured
-    too (:data:`CALIBRATION_FIDELITY_TOKENS` tokens), and a quantized pair is
-    chosen only within the bound (target_service/fidelity.py)."""
+    choice, fidelity against ``float32/eager`` is scored
+    (:data:`CALIBRATION_FIDELITY_TOKENS` tokens) where it decides the choice
+    (:func:`choose`), and a quantized pair is chosen only within the bound
+    (target_service/fidelity.py)."""
     import gc
 
     from target_service.backends import QUANT_BACKENDS
@@ -554,13 +530,20 @@ def calibrate(
                                                              CALIBRATION_FIDELITY_WINDOW)
         del ref_model
 
-    def measure_pair(pair: Pair) -> Measured:
+    def load(pair: Pair) -> "torch.nn.Module":
+        """``pair``'s model: the one kept from its measurement, else loaded
+        (and kept in place of the last one)."""
+        if kept.get("pair") == pair:
+            return kept["model"]  # type: ignore[return-value]
         kept.clear()
         gc.collect()
-        fid = None
-        if fidelity_needed and pair != ("float32", "eager"):
-            ensure_reference(None)
         model = load_model(hf_dir, parse_dtype(pair[0]), pair[1], device, model_name, gguf_path)
+        kept["pair"], kept["model"] = pair, model
+        return model
+
+    def measure_pair(pair: Pair) -> Measured:
+        model = load(pair)
+
         def tune_kernel(forward: Callable[[int], None], reset: Callable[[], None]) -> None:
             from target_service import kquant
 
@@ -568,22 +551,29 @@ def calibrate(
 
         curve = measure_forward_curve(model, device, CALIBRATION_KS, CALIBRATION_KV, budget_s,
                                       tune_kernel if pair[1] in KQUANT_BACKENDS else None)
-        if fidelity_needed:
-            from target_service import fidelity
-
-            ensure_reference(model if pair == ("float32", "eager") else None)
-            ids = reference["ids"]
-            fid = fidelity.compare(fidelity.model_forward(model), ids, reference["logprobs"],  # type: ignore[arg-type]
-                                   CALIBRATION_FIDELITY_WINDOW, str(reference["digest"])).to_dict()  # type: ignore[arg-type]
         log(logger, logging.INFO, "calibrated target", dtype=pair[0], backend=pair[1],
             **{f"k{k}_ms": round(v, 1) for k, v in curve.items()},
-            **({"prefetch": tunings[pair]["prefetch"]} if pair in tunings else {}),
-            **({"mean_kl": fid["mean_kl"], "top1": fid["top1_agreement"]} if fid else {}))
-        kept["pair"], kept["model"] = pair, model
-        return curve, fid
+            **({"prefetch": tunings[pair]["prefetch"]} if pair in tunings else {}))
+        return curve, None
+
+    def measure_fidelity(pair: Pair) -> dict[str, object]:
+        from target_service import fidelity
+
+        t = time.perf_counter()
+        if not reference and pair[1] not in QUANT_BACKENDS and pair != ("float32", "eager"):
+            kept.clear()  # reloads cheaply; not alongside the float32 reference
+            ensure_reference(None)
+        model = load(pair)
+        ensure_reference(model if pair == ("float32", "eager") else None)
+        fid = fidelity.compare(fidelity.model_forward(model), reference["ids"], reference["logprobs"],  # type: ignore[arg-type]
+                               CALIBRATION_FIDELITY_WINDOW, str(reference["digest"])).to_dict()
+        log(logger, logging.INFO, "fidelity scored", dtype=pair[0], backend=pair[1], mean_kl=fid["mean_kl"],
+            top1=fid["top1_agreement"], seconds=round(time.perf_counter() - t, 1))
+        return fid
 
     tunings: dict[Pair, dict[str, object]] = {}
-    result = choose(pairs, measure_pair, cache, fidelity_needed, tunings)
+    result = choose(pairs, measure_pair, cache, fidelity_needed, tunings,
+                    measure_fidelity if fidelity_needed else None)
     result.chosen_by = how
     apply_tuning(result.backend, result.tuning.get(pair_key((result.dtype, result.backend)), {}))
     model = kept.get("model") if kept.get("pair") == (result.dtype, result.backend) else None

@@ -171,6 +171,16 @@ def fast_model(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unt
 
 
 def test_fast_layers_compute_transformers_layers_to_float32_rounding(fast_model) -> None:  # type: ignore[no-untyped-def]
+    """The whole model against transformers' layers (the wiring: norms,
+    rope, attention, residuals, MLP in place). The parts differ from torch's
+    in the last float32 bits (tested one by one above), and the kernel rounds
+    its activations to bf16, so a last-bit difference at a linear layer's
+    input can move one activation by one bf16 step (2^-8 relative) and that
+    spreads: on AVX2, where torch's RMSNorm sums in 8 lanes, not the
+    kernel's 16, it does (1.1e-3 of the largest logit; an RMSNorm epsilon
+    of 1e-2 in one layer instead of 1e-6 moves them by 6.2e-3). So the
+    bound is one bf16 step of the largest logit, with greedy argmax the same
+    at every position."""
     m, _, _ = fast_model
     ids = torch.randint(1, 30, (1, 24), generator=torch.Generator().manual_seed(6))
     with torch.inference_mode():
@@ -180,7 +190,8 @@ def test_fast_layers_compute_transformers_layers_to_float32_rounding(fast_model)
             eager = m(input_ids=ids).logits
         finally:
             fastlayers.install(m)
-    assert (fast - eager).abs().max() <= 1e-4 * eager.abs().max()
+    assert (fast - eager).abs().max() <= 2**-8 * eager.abs().max()
+    assert torch.equal(fast.argmax(-1), eager.argmax(-1))
 
 
 def test_fast_layers_give_a_row_the_same_logits_whatever_the_pass(fast_model) -> None:  # type: ignore[no-untyped-def]
@@ -371,4 +382,6 @@ def test_two_call_layers_fall_back_to_fast_forward(fast_model, monkeypatch: pyte
             fastlayers.uninstall(m)
             fastlayers.install(m)
     assert torch.equal(again, ref)
-    assert (sdpa_out - ref).abs().max() <= 1e-4 * ref.abs().max()
+    # the model's SDPA against the kernel's attention: float32 rounding, which the bf16
+    # activations can move by one bf16 step (test_fast_layers_compute_transformers_layers_...)
+    assert (sdpa_out - ref).abs().max() <= 2**-8 * ref.abs().max()
