@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import torch
 
 from specdec.logging_util import log
-from target_service.calibration_cache import CalibrationCache, Curve, Pair, machine_identity, pair_key
+from target_service.calibration_cache import CalibrationCache, Curve, Measured, Pair, machine_identity, pair_key
 
 logger = logging.getLogger("specdec.target")
 
@@ -47,8 +47,6 @@ CALIBRATION_KV = 128  # tokens of KV cache behind the measured pass (a short pro
 ACCEPTANCE_MIX = (0.1, 0.3, 0.5, 0.7, 0.8, 0.9)
 DRAFT_RATIO = 0.1  # draft cost per token / the fastest target step
 GAMMA_MAX = 8
-
-Measured = tuple[Curve, "dict[str, object] | None"]  # a pair's curve and its fidelity (or None)
 
 
 def interpolate(curve: Mapping[int, float], k: float) -> float:
@@ -117,17 +115,22 @@ def pick_pair(
     return Choice(best, scores, draft_ms)
 
 
+def plain_bf16(pairs: Sequence[Pair]) -> list[Pair]:
+    """The non-quantized bf16 pairs: the bound's reference where bf16 eager is not one."""
+    from target_service.backends import QUANT_BACKENDS
+
+    return [p for p in pairs if p[0] == "bfloat16" and p[1] not in QUANT_BACKENDS]
+
+
 def fidelity_reference(pairs: Sequence[Pair], fidelity: Mapping[Pair, Mapping[str, object]]) -> tuple[Pair, Mapping[str, object]] | None:
     """The pair whose fidelity bounds the quantized pairs': ``bfloat16/eager``,
     transformers' own bf16 computation of the same file (the numerics ``auto``
     admits without any check, and what a bf16 deployment of this checkpoint
     computes). Where it was not measured, the most faithful non-quantized bf16
     pair (the stricter bound); None when no bf16 pair was measured."""
-    from target_service.backends import QUANT_BACKENDS
-
     if ("bfloat16", "eager") in fidelity and ("bfloat16", "eager") in pairs:
         return ("bfloat16", "eager"), fidelity[("bfloat16", "eager")]
-    bf16 = [p for p in pairs if p[0] == "bfloat16" and p[1] not in QUANT_BACKENDS and p in fidelity]
+    bf16 = [p for p in plain_bf16(pairs) if p in fidelity]
     if not bf16:
         return None
     best = min(bf16, key=lambda p: float(fidelity[p]["mean_kl"]))  # type: ignore[arg-type]
@@ -237,12 +240,9 @@ def reference_to_score(pairs: Sequence[Pair], fidelity: Mapping[Pair, object], u
     """The pairs still to score for :func:`fidelity_reference`: bf16 eager,
     or where it is not a candidate (or cannot be scored) the other
     non-quantized bf16 pairs."""
-    from target_service.backends import QUANT_BACKENDS
-
     if ("bfloat16", "eager") in pairs and ("bfloat16", "eager") not in unscorable:
         return [] if ("bfloat16", "eager") in fidelity else [("bfloat16", "eager")]
-    return [p for p in pairs if p[0] == "bfloat16" and p[1] not in QUANT_BACKENDS
-            and p not in fidelity and p not in unscorable]
+    return [p for p in plain_bf16(pairs) if p not in fidelity and p not in unscorable]
 
 
 def choose(
@@ -280,23 +280,25 @@ def choose(
     def ordered() -> dict[Pair, Curve]:  # pick_pair breaks ties by this order
         return {p: curves[p] for p in pairs if p in curves}
 
-    def score(pair: Pair) -> bool:
+    def score(pair: Pair) -> None:
         nonlocal cached_all
         if pair in fidelity or pair in unscorable or measure_fidelity is None:
-            return pair in fidelity
+            return
         cached_all = False
         log(logger, logging.INFO, "scoring fidelity", dtype=pair[0], backend=pair[1])
         got = measure_fidelity(pair)
         if got is None:
             unscorable.add(pair)
-            return False
+            return
         fidelity[pair] = got
         if cache is not None:
             cache.put(pair, curves[pair], got)
-        return True
 
-    quant = [p for b in QUANT_MEASURE_ORDER for p in pairs if p[1] == b]
-    for pair in [p for p in pairs if p not in quant] + quant + [p for p in pairs if p[1] in QUANT_BACKENDS and p not in quant]:
+    def timing_order(p: Pair) -> tuple[bool, int]:  # plain pairs first, then QUANT_MEASURE_ORDER
+        quant = p[1] in QUANT_BACKENDS
+        return quant, (QUANT_MEASURE_ORDER.index(p[1]) if p[1] in QUANT_MEASURE_ORDER else len(QUANT_MEASURE_ORDER))
+
+    for pair in sorted(pairs, key=timing_order):
         got = cache.get_entry(pair) if cache is not None else None
         if got is None:
             cached_all = False
@@ -330,8 +332,8 @@ def choose(
             score(p)
     if fidelity_needed and choice.pair[1] not in QUANT_BACKENDS:
         score(choice.pair)  # reported with the numerics (GetModelInfo, bench)
-    unscored = [pair_key(p) for p in excluded if p not in fidelity and p not in unscorable and measure_fidelity is not None]
-    excluded = {p: why for p, why in excluded.items() if pair_key(p) not in unscored}
+    unscored = [p for p in excluded if p not in fidelity and p not in unscorable and measure_fidelity is not None]
+    excluded = {p: why for p, why in excluded.items() if p not in unscored}
     if excluded:
         log(logger, logging.WARNING, "quantized numerics not admissible for auto",
             pairs={pair_key(p): why for p, why in excluded.items()})
@@ -347,7 +349,7 @@ def choose(
         fidelity={pair_key(p): f for p, f in fidelity.items()},
         excluded={pair_key(p): why for p, why in excluded.items()},
         tuning={pair_key(p): t for p, t in (tunings or {}).items() if t},
-        unscored=unscored,
+        unscored=[pair_key(p) for p in unscored],
     )
 
 

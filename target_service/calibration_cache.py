@@ -21,6 +21,7 @@ logger = logging.getLogger("specdec.target")
 CACHE_VERSION = 2
 Curve = dict[int, float]  # k -> ms for one forward pass of k new tokens
 Pair = tuple[str, str]  # (dtype, backend)
+Measured = tuple[Curve, "dict[str, object] | None"]  # a pair's curve and its fidelity (or None)
 
 
 def pair_key(pair: Pair) -> str:
