@@ -231,7 +231,7 @@ class Decoder:
             return 0, 0.0
         outlook = getattr(self.p.policy, "set_outlook", None)
         if outlook is not None and not self.streamed and self.draft is not None:
-            outlook(len(self.committed) - self.draft_known, remaining)
+            outlook(len(self.committed) - self.draft_known, remaining, self.generated)
         gamma = min(self.p.policy.next_gamma(), remaining - 1)
         return gamma, (self.p.min_confidence or self.p.policy.stop_confidence()) if gamma > 0 else 0.0
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from orchestrator.costs import CostModel
+from orchestrator.probing import ProbeBudget, expected_saving
 
 
 @dataclass(frozen=True)
@@ -217,13 +218,21 @@ class AcceptancePrior:
 @dataclass
 class AdaptiveConfig:
     gamma_max: int = 8
-    prior_strength: float = 4.0  # pseudo-observations of the prior mean, per position
-    level_prior_strength: float = 16.0  # pseudo-tokens at level 1 (the shared estimates) in the request's level
+    # pseudo-observations of the shared estimate per position, and pseudo-tokens
+    # at level 1 in the request's level: small, so that a request's own rounds
+    # outweigh what other requests taught after a handful of rounds
+    prior_strength: float = 4.0
+    level_prior_strength: float = 2.0
     probe_every: int = 8  # rounds at γ = 0 before probing speculation again (doubles up to 64)
     probe_gamma: int = 1
-    # a probe whose draft catch-up prefill would cost more than this share of
-    # the request's remaining target-only time is skipped
-    probe_catchup_share: float = 0.08
+    # Probes (orchestrator/probing.py, unary drafting): a γ = probe_gamma round
+    # runs only when its value of information exceeds probe_value_margin × its
+    # expected extra time, within probe_budget_share of the plain time of
+    # max(tokens so far, min(probe_horizon_tokens, the cap)); probe_value=False: budget only
+    probe_budget_share: float = 0.03
+    probe_horizon_tokens: int = 128
+    probe_value_margin: float = 2.0
+    probe_value: bool = True
     thompson: bool = False  # sample α from its posterior each round (exploration) instead of using the mean
     explore_every: int = 0  # every n-th speculative round tries a neighbouring γ (keeps the cost slope learnt)
     min_gain: float = 1.02  # speculate only when E/T beats plain decoding by this factor
@@ -287,16 +296,21 @@ class AdaptivePolicy:
         self._spec_rounds = 0
         self.last_scores: dict[int, float] = {}
         self._probing = False  # the round just chosen is a probe
+        self._probe_hit = False  # the last round was a probe, accepted in full
         self._catchup_tokens = 0  # committed tokens the draft must take in before it drafts again
         self._remaining = 0  # tokens the request may still generate (0 = unknown)
+        self._generated = 0  # tokens the request has generated (0 = unknown: no probe budget)
+        self.budget = ProbeBudget(self.cfg.probe_budget_share, self.cfg.probe_horizon_tokens)
 
-    def set_outlook(self, catchup_tokens: int, remaining_tokens: int) -> None:
+    def set_outlook(self, catchup_tokens: int, remaining_tokens: int, generated_tokens: int = 0) -> None:
         """What the next round's choice must also weigh (unary drafting):
         the draft's catch-up prefill of ``catchup_tokens`` is paid once, by
         the first speculative round, and can only be earned back over the
-        ``remaining_tokens`` the request may still generate."""
+        ``remaining_tokens`` the request may still generate; probes are
+        budgeted against the ``generated_tokens`` so far."""
         self._catchup_tokens = max(0, int(catchup_tokens))
         self._remaining = max(0, int(remaining_tokens))
+        self._generated = max(0, int(generated_tokens))
 
     def _catchup_pays(self, scores: dict[int, float], best: int) -> bool:
         """Speculating from now on saves (1/s₀ − 1/s_best) ms per token over
@@ -309,16 +323,28 @@ class AdaptivePolicy:
         saved = (1.0 / max(scores[0], 1e-9) - 1.0 / max(scores[best], 1e-9)) * self._remaining
         return saved > cost
 
-    def _probe_affordable(self, scores: dict[int, float]) -> bool:
-        """A probe's catch-up may cost at most ``probe_catchup_share`` of the
-        remaining tokens' time at γ = 0, so that probing can never make a
-        request noticeably slower than target-only decoding."""
-        if self._catchup_tokens <= 0 or self._remaining <= 0:
-            return True
-        cost = self.costs.catchup_ms(self._catchup_tokens)
-        if cost is None or cost <= 0:
-            return True
-        return cost <= self.cfg.probe_catchup_share * self._remaining / max(scores[0], 1e-9)
+    def _probe_pays(self, scores: dict[int, float]) -> bool:
+        """Whether a probe may run now (orchestrator/probing.py): its value of
+        information exceeds ``probe_value_margin`` × its expected extra time,
+        and its extra time should the target reject it all (an upper bound:
+        catch-up + round − one plain step) fits the request's probe budget,
+        which it is then charged."""
+        step = 1.0 / max(scores[0], 1e-9)  # ms per token at γ = 0
+        gamma = min(self.cfg.probe_gamma, self.cfg.gamma_max)
+        catchup = (self.costs.catchup_ms(self._catchup_tokens) or 0.0) if self._catchup_tokens > 0 else 0.0
+        worst = catchup + self.round_ms(gamma) - step
+        if self.cfg.probe_value and self._remaining > 0:
+            expected = worst - (expected_tokens(self.alphas(), gamma) - 1.0) * step
+            ms = [self.round_ms(g) for g in range(1, self.cfg.gamma_max + 1)]
+            best = lambda al: max(expected_tokens(al, g + 1) / max(t, 1e-6) for g, t in enumerate(ms))  # noqa: E731
+            _, value = expected_saving(self._posterior(), best, scores[0] * self.cfg.min_gain, self._remaining)
+            if value <= self.cfg.probe_value_margin * max(0.0, expected):
+                return False
+        known = self._generated > 0 or self._remaining > 0
+        if known and not self.budget.fits(worst, self._generated, self._remaining, step):
+            return False
+        self.budget.charge(worst)
+        return True
 
     # -------------------------------------------------------------- estimates
     def alphas(self, sample: bool = False, state: int | None = None) -> list[float]:
@@ -336,6 +362,13 @@ class AdaptivePolicy:
         With ``sample``, a Thompson draw instead of the mean, which explores
         exactly as much as the estimates are uncertain.
         """
+        post = self._posterior(state)
+        if sample:
+            return [self._rng.betavariate(a, b) for a, b in post]
+        return [a / (a + b) for a, b in post]
+
+    def _posterior(self, state: int | None = None) -> list[tuple[float, float]]:
+        """The Beta (a, b) of each position's α (see ``alphas``)."""
         st = self._state if state is None else state
         s = self.cfg.prior_strength
         shared = self.prior.alphas(state=st)
@@ -344,9 +377,7 @@ class AdaptivePolicy:
         out = []
         for i in range(self.cfg.gamma_max):
             p = min(0.995, max(0.005, level * (shared[i] if i < len(shared) else shared[-1])))
-            a = acc[i] + s * p
-            b = (tried[i] - acc[i]) + s * (1.0 - p)
-            out.append(self._rng.betavariate(max(a, 1e-3), max(b, 1e-3)) if sample else a / (a + b))
+            out.append((max(acc[i] + s * p, 1e-3), max((tried[i] - acc[i]) + s * (1.0 - p), 1e-3)))
         return out
 
     def level(self) -> float:
@@ -403,7 +434,10 @@ class AdaptivePolicy:
         self.last_scores = scores
         self._probing = False
         best = max(range(1, self.cfg.gamma_max + 1), key=lambda g: scores[g])
-        if scores[best] >= scores[0] * self.cfg.min_gain and self._catchup_pays(scores, best):
+        # before any own evidence (outlook known), a round the shared estimates
+        # alone would speculate is a probe like any other
+        own = self._level_expected > 0 or self._remaining <= 0
+        if own and scores[best] >= scores[0] * self.cfg.min_gain and self._catchup_pays(scores, best):
             self._zero_rounds = 0
             self._probe_every = self.cfg.probe_every
             self._spec_rounds += 1
@@ -411,14 +445,19 @@ class AdaptivePolicy:
                 step = 1 if (self._spec_rounds // self.cfg.explore_every) % 2 else -1
                 return min(self.cfg.gamma_max, max(1, best + step))
             return best
+        # a probe is due at the first round, right after a probe accepted in
+        # full (the next is worth more), and after probe_every plain rounds
+        first = (not own and self._zero_rounds == 0) or self._probe_hit
         self._zero_rounds += 1
-        if self._zero_rounds >= self._probe_every:
+        if first or self._zero_rounds >= self._probe_every:
             # probe: a short span refreshes α; back off if it keeps losing
             self._zero_rounds = 0
-            self._probe_every = min(64, self._probe_every * 2)
-            if self._probe_affordable(scores):
+            if not first:
+                self._probe_every = min(64, self._probe_every * 2)
+            if self._probe_pays(scores):
                 self._probing = True
                 return min(self.cfg.probe_gamma, self.cfg.gamma_max)
+            self._zero_rounds = 1 if first else 0
         return 0
 
     def stop_confidence(self) -> float:
@@ -449,6 +488,7 @@ class AdaptivePolicy:
             if tried_n > 0:
                 self.prior.update(tried_n, obs.accepted, CONTINUED if obs.continued else FRESH)
         state, self._state = self._state, (CONTINUED if 0 < obs.gamma == obs.accepted else FRESH)
+        self._probe_hit = self._probing and self._state == CONTINUED
         if tried_n <= 0:
             return
         acc, tried = self._acc[state], self._tried[state]
@@ -516,7 +556,10 @@ class PolicyFactory:
         (prompt lookup, orchestrator/lookup.py), with its own shared
         acceptance estimates under ``label``: its drafting costs nothing
         measurable, so a round is priced at the target's verify cost."""
-        self.draft_token_ms.setdefault(label, LOCAL_DRAFT_TOKEN_MS)
+        if label not in self.draft_token_ms:
+            # also the cost model a fixed-γ request's lookup rounds created
+            # first (with no draft prior: it would price them as a model's)
+            self.set_cost_priors(draft_token_ms={label: LOCAL_DRAFT_TOKEN_MS})
         policy = self.make("adaptive", gamma, label)
         assert isinstance(policy, AdaptivePolicy)
         return policy

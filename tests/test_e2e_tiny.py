@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -71,8 +70,10 @@ def test_adaptive_policies_leave_greedy_output_unchanged(stack: Stack, far_stack
             r = st.generate(prompt=prompt, mode=mode, gamma=0, max_new_tokens=48)
             assert r["token_ids"] == off["token_ids"], (mode, prompt)
             assert r["stats"].policy == ("adaptive" if mode == "auto" else "heuristic")
-    trajectory = list(stack.generate(prompt=PROMPTS[1], mode=mode, max_new_tokens=48)["stats"].gamma_trajectory)
-    assert len(set(trajectory)) > 1  # the policy actually varied γ
+    if mode == "heuristic":  # AUTO's γ follows measured costs: test_auto_speculates_where_it_pays
+        trajectory = list(stack.generate(prompt=PROMPTS[1], mode=mode, max_new_tokens=48)["stats"].gamma_trajectory)
+        assert len(set(trajectory)) > 1  # the policy actually varied γ
+
 
 
 def test_metrics_count_a_known_generation(stack: Stack) -> None:
@@ -528,38 +529,3 @@ def test_health_and_reflection(stack: Stack) -> None:
         resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
         names = {s.name for s in resp.list_services_response.service}
         assert name in names and "grpc.health.v1.Health" in names
-
-
-def test_speculation_load_gate(stack: Stack) -> None:
-    """AUTO speculates only while at most ``speculation_max_streams``
-    streams are active and the load has stayed there for ``hold_s``: with the
-    gate at 1, a request that runs while another stream is open decodes
-    plainly (no draft tokens) and still gives the target's greedy output; so
-    does one right after, within the hold; alone, it speculates again."""
-    from orchestrator.server import speculation_stream_limit
-
-    assert speculation_stream_limit(-1, "cpu") == 1 and speculation_stream_limit(-1, "cuda:0") == 0
-    assert speculation_stream_limit(5, "cpu") == 5 and speculation_stream_limit(0, "cpu") == 0
-    prompt = "def fib(n):"
-    ref = stack.generate(prompt=prompt, mode="off", max_new_tokens=24, ignore_eos=True)["token_ids"]
-    servicer = stack.orchestrator.servicer
-    servicer.set_speculation_limit(1, hold_s=60.0)
-    try:
-        held = stack.orch_stub().Generate(make_request(prompt=prompt, mode="off", max_new_tokens=4000, ignore_eos=True),
-                                          timeout=300)
-        next(held)  # that stream is open and decoding
-        busy = stack.generate(prompt=prompt, mode="auto", max_new_tokens=24, ignore_eos=True)
-        held.cancel()
-        assert busy["token_ids"] == ref
-        assert busy["stats"].draft_tokens == 0 and busy["stats"].rounds > 0
-        deadline = time.monotonic() + 10
-        while servicer.active and time.monotonic() < deadline:
-            time.sleep(0.05)
-        after = stack.generate(prompt=prompt, mode="auto", max_new_tokens=24, ignore_eos=True)
-        assert after["token_ids"] == ref and after["stats"].draft_tokens == 0  # within the hold
-        servicer.set_speculation_limit(1, hold_s=0.0)
-        alone = stack.generate(prompt=prompt, mode="auto", max_new_tokens=24, ignore_eos=True)
-        assert alone["token_ids"] == ref
-        assert alone["stats"].draft_tokens > 0
-    finally:
-        servicer.set_speculation_limit(0)
