@@ -22,7 +22,8 @@ expected cost; once the request's own rounds have shown a low α, the
 posterior's upper tail, and with it the value, vanishes.
 
 Hard cap (``ProbeBudget``): all probes of a request together are charged
-their expected extra time, which may not exceed ``share`` of the plain time
+their extra time should the target reject them (catch-up + round − one
+plain step, an upper bound), which may not exceed ``share`` of the plain time
 of max(tokens generated so far, the request's horizon), the horizon being
 min(``horizon_tokens``, the tokens the request may generate): a request that
 runs its course pays at most ``share`` for exploring, and the first probe
@@ -72,8 +73,9 @@ def expected_saving(posterior: Sequence[tuple[float, float]], best_rate: Callabl
 
 @dataclass
 class ProbeBudget:
-    """A request's exploration account: probes are charged their expected
-    extra ms, and together may cost at most ``share`` of the plain time of
+    """A request's exploration account: probes are charged their extra ms
+    should the target reject them (an upper bound), and together may cost
+    at most ``share`` of the plain time of
     max(generated, min(generated + remaining, ``horizon_tokens``)) tokens."""
 
     share: float = 0.03
