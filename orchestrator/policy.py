@@ -166,6 +166,11 @@ def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
     return e
 
 
+def rates(alphas: Sequence[float], round_ms: dict[int, float]) -> dict[int, float]:
+    """Expected committed tokens per ms of a round of each γ in ``round_ms``."""
+    return {g: expected_tokens(alphas, g) / max(ms, 1e-6) for g, ms in round_ms.items()}
+
+
 FRESH, CONTINUED = 0, 1  # the acceptance state a round starts in
 
 
@@ -218,10 +223,8 @@ class AcceptancePrior:
 @dataclass
 class AdaptiveConfig:
     gamma_max: int = 8
-    # pseudo-observations of the shared estimate per position, and pseudo-tokens
-    # at level 1 in the request's level: small, so that a request's own rounds
-    # outweigh what other requests taught after a handful of rounds
-    prior_strength: float = 4.0
+    prior_strength: float = 4.0  # pseudo-observations of the shared estimate, per position
+    # pseudo-tokens at level 1 in the request's level: small, so that its own rounds soon outweigh others'
     level_prior_strength: float = 2.0
     probe_every: int = 8  # rounds at γ = 0 before probing speculation again (doubles up to 64)
     probe_gamma: int = 1
@@ -331,12 +334,12 @@ class AdaptivePolicy:
         which it is then charged."""
         step = 1.0 / max(scores[0], 1e-9)  # ms per token at γ = 0
         gamma = min(self.cfg.probe_gamma, self.cfg.gamma_max)
+        ms = {g: self.round_ms(g) for g in range(1, self.cfg.gamma_max + 1)}
         catchup = (self.costs.catchup_ms(self._catchup_tokens) or 0.0) if self._catchup_tokens > 0 else 0.0
-        worst = catchup + self.round_ms(gamma) - step
+        worst = catchup + ms[gamma] - step
         if self.cfg.probe_value and self._remaining > 0:
             expected = worst - (expected_tokens(self.alphas(), gamma) - 1.0) * step
-            ms = [self.round_ms(g) for g in range(1, self.cfg.gamma_max + 1)]
-            best = lambda al: max(expected_tokens(al, g + 1) / max(t, 1e-6) for g, t in enumerate(ms))  # noqa: E731
+            best = lambda al: max(rates(al, ms).values())  # noqa: E731
             _, value = expected_saving(self._posterior(), best, scores[0] * self.cfg.min_gain, self._remaining)
             if value <= self.cfg.probe_value_margin * max(0.0, expected):
                 return False
@@ -401,8 +404,7 @@ class AdaptivePolicy:
 
     def scores(self, sample: bool = False) -> dict[int, float]:
         """Expected committed tokens per ms for each γ."""
-        alphas = self.alphas(sample)
-        return {g: expected_tokens(alphas, g) / max(self.round_ms(g), 1e-6) for g in range(self.cfg.gamma_max + 1)}
+        return rates(self.alphas(sample), {g: self.round_ms(g) for g in range(self.cfg.gamma_max + 1)})
 
     # ---------------------------------------------------------------- policy
     def commit_plain_rounds(self, limit: int) -> int:
@@ -434,8 +436,7 @@ class AdaptivePolicy:
         self.last_scores = scores
         self._probing = False
         best = max(range(1, self.cfg.gamma_max + 1), key=lambda g: scores[g])
-        # before any own evidence (outlook known), a round the shared estimates
-        # alone would speculate is a probe like any other
+        # before any own evidence (outlook known), a round speculating on shared estimates alone is a probe
         own = self._level_expected > 0 or self._remaining <= 0
         if own and scores[best] >= scores[0] * self.cfg.min_gain and self._catchup_pays(scores, best):
             self._zero_rounds = 0
@@ -445,8 +446,7 @@ class AdaptivePolicy:
                 step = 1 if (self._spec_rounds // self.cfg.explore_every) % 2 else -1
                 return min(self.cfg.gamma_max, max(1, best + step))
             return best
-        # a probe is due at the first round, right after a probe accepted in
-        # full (the next is worth more), and after probe_every plain rounds
+        # a probe is due at the first round, after a probe accepted in full, and after probe_every plain rounds
         first = (not own and self._zero_rounds == 0) or self._probe_hit
         self._zero_rounds += 1
         if first or self._zero_rounds >= self._probe_every:
@@ -457,7 +457,8 @@ class AdaptivePolicy:
             if self._probe_pays(scores):
                 self._probing = True
                 return min(self.cfg.probe_gamma, self.cfg.gamma_max)
-            self._zero_rounds = 1 if first else 0
+            if first:  # declined: a plain round like the others (commit_plain_rounds counts it)
+                self._zero_rounds = 1
         return 0
 
     def stop_confidence(self) -> float:

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.faults import FaultyProxy
-from tests.stack import Stack, make_request, start_stack
+from tests.stack import Stack, make_request
+from tests.test_faults import close, faulty_stack
 
 PROMPTS = ["hello world", "the quick brown fox", "a, b, c."]
 
@@ -29,30 +30,23 @@ REMOTE_TARGET_DELAY_S = 0.05
 def remote_stack(tiny_models, onnx_cache_dir: Path) -> Stack:  # type: ignore[no-untyped-def]
     """The correlated draft with the target behind REMOTE_TARGET_DELAY_S per
     call (a fault proxy that forwards every call unchanged, late), every
-    round one call (no decode-ahead). On the
+    round one call (no decode-ahead: plain steps would otherwise run ahead
+    on the target and hide the delay that speculative rounds pay). On the
     local tiny stack a draft round costs several target steps and AUTO
     rightly stays plain: speculation never pays there."""
-    proxies: list[FaultyProxy] = []
 
     async def late(request, context):  # type: ignore[no-untyped-def]
         await asyncio.sleep(REMOTE_TARGET_DELAY_S)
         return request
 
-    async def interpose(t: str, d: str) -> tuple[str, str]:
-        proxy = await FaultyProxy.start("specdec.v1.Target", t)
+    def delay_target(proxies: dict[str, FaultyProxy]) -> None:
         for method in ("Prefill", "Verify", "VerifyStream"):
-            proxy.on_request[method] = late
-        proxies.append(proxy)
-        return proxy.address, d
+            proxies["target"].on_request[method] = late
 
-    # decode-ahead off: plain steps would otherwise run ahead on the target
-    # and hide the delay that speculative rounds pay in full
-    s = start_stack(tiny_models.target, tiny_models.draft, onnx_cache_dir, interpose=interpose,
-                    orchestrator_overrides={"decode_ahead": 0})
+    s, proxies = faulty_stack(tiny_models.target, tiny_models.draft, onnx_cache_dir, setup=delay_target,
+                              decode_ahead=0)
     yield s
-    for p in proxies:
-        s.loop.run(p.stop())
-    s.close()
+    close(s, proxies)
 
 
 def test_auto_speculates_where_it_pays(remote_stack: Stack) -> None:
