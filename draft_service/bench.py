@@ -1,7 +1,7 @@
 """Draft throughput micro-benchmark (not a test): tokens/s of greedy drafting
 with one ``OnnxDrafter`` on an exported model.
 
-    python -m draft_service.bench <onnx_dir> [--threads 2] [--tokens 128] [--gamma 8]
+    python -m draft_service.bench <onnx_dir> [--threads 2] [--tokens 128] [--gamma 8] [--spin on|run|off]
     python -m draft_service.bench --prompt-lookup [--context 2000]
 
 Prints one JSON line: prefill ms, draft tok/s (every drafted token accepted,
@@ -30,8 +30,9 @@ def bench(
     gamma: int = 8,
     kv_mode: str = "auto",
     temperature: float = 0.0,
+    spin: str = "on",
 ) -> dict[str, object]:
-    model = OnnxCausalLM(onnx_dir, execution="cpu", intra_op_threads=threads, kv_mode=kv_mode)
+    model = OnnxCausalLM(onnx_dir, execution="cpu", intra_op_threads=threads, kv_mode=kv_mode, spin=spin)
     drafter = OnnxDrafter("bench", model)
     cfg = SamplingConfig(temperature=temperature)
     rng = np.random.default_rng(0)
@@ -56,6 +57,7 @@ def bench(
         "onnx_dir": onnx_dir,
         "threads": threads,
         "kv_mode": kv_mode,
+        "spin": spin,
         "prompt_tokens": len(committed) - len(drafted),
         "prefill_ms": round(prefill_ms, 1),
         "draft_tok_s": round(n / elapsed, 1),
@@ -91,13 +93,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--gamma", type=int, default=8)
     ap.add_argument("--kv-mode", default="auto")
+    ap.add_argument("--spin", default="on", choices=["on", "run", "off"], help="onnxruntime spin-waiting (onnx_model.SPIN_MODES)")
     a = ap.parse_args()
     if a.prompt_lookup:
         print(json.dumps(bench_prompt_lookup(a.context)))
         return
     if not a.onnx_dir:
         ap.error("onnx_dir is required (or --prompt-lookup)")
-    print(json.dumps(bench(a.onnx_dir, threads=a.threads, tokens=a.tokens, gamma=a.gamma, kv_mode=a.kv_mode)))
+    print(json.dumps(bench(a.onnx_dir, threads=a.threads, tokens=a.tokens, gamma=a.gamma, kv_mode=a.kv_mode,
+                           spin=a.spin)))
 
 
 if __name__ == "__main__":

@@ -31,8 +31,9 @@ PRECISIONS = ["int4", "int8", "fp32", "fp16"]
 
 def add_arguments(p: argparse._ActionsContainer, prefix: str = "", *, spin_default: str = "on") -> FlagSet:
     """The draft's model, runtime and drafter flags. ``spin_default``: ``specdec up``
-    shares its cores with the target, where spinning workers slow the target's
-    next verify (docs/benchmarks.md), so it passes "off"; a draft pod spins."""
+    shares its cores with the target, where workers spinning between runs slow
+    the target's next verify (docs/benchmarks.md), so it passes "run" (spin
+    within a draft run only); a draft pod spins."""
     f = FlagSet(p, prefix)
     f.add("model", dest="draft_model", default=DEFAULT_DRAFT, help="draft model spec")
     f.add("precision", dest="draft_precision", default="int4", choices=PRECISIONS,
@@ -40,8 +41,9 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "", *, spin_defau
     f.add("execution", dest="draft_execution", default="auto", choices=["auto", "cpu", "cuda"],
           help="draft execution provider")
     f.add("threads", dest="draft_threads", type=int, default=0, help="onnxruntime intra-op threads (0 = all)")
-    f.add("spin", dest="draft_spin", default=spin_default, choices=["on", "off"],
-          help="onnxruntime worker spin-waiting (on: lower draft latency; off: frees CPU for a co-located target)")
+    f.add("spin", dest="draft_spin", default=spin_default, choices=["on", "run", "off"],
+          help="onnxruntime worker spin-waiting (on: also between runs, a core held while idle; run: within "
+               "a run only, nothing spins while the target verifies; off: a wake-up per op, ~15 %% slower)")
     f.add("drafters", prefixed=False, default=DEFAULT_DRAFTERS,
           help=f"comma-separated drafters the draft service hosts (built-ins: {DEFAULT_DRAFTERS}; "
                f"{AUTO_DRAFTER}: prompt lookup while it matches well, else the model drafter)")
@@ -119,7 +121,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> DraftServiceConfig:
         host=a.host, port=port, drafters=specs, default_drafter=default,
         target_tokenizer=getattr(a, "target_tokenizer", None) or DEFAULT_TARGET,  # `specdec up` wires it itself
         intra_op_threads=a.draft_threads, execution=a.draft_execution, cache_dir=a.cache_dir,
-        allow_spinning=a.draft_spin == "on", metrics_port=a.metrics_port, metrics_host=a.metrics_host,
+        spin=a.draft_spin, metrics_port=a.metrics_port, metrics_host=a.metrics_host,
         health_port=a.health_port, tls=server_tls(a), max_queue=a.max_queue,
         kv_budget_tokens=a.draft_kv_budget, kv_budget_bytes=a.draft_kv_budget_bytes,
         kv_protect_active_s=a.draft_kv_protect, prefix_cache=a.draft_prefix_cache, max_cache_tokens=a.draft_max_cache,

@@ -49,7 +49,7 @@ class DraftServiceConfig:
     max_span: int = 16  # largest num_tokens (γ) per Propose
     max_support: int = 64  # largest sparse q per drafted position (top-K truncation)
     intra_op_threads: int = 0  # onnxruntime intra-op threads; 0 = onnxruntime's default (all cores)
-    allow_spinning: bool = True  # onnxruntime worker spin-wait (lower latency, burns idle CPU)
+    spin: str = "on"  # onnxruntime workers' spin-wait: on | run (within a run only) | off (onnx_model.SPIN_MODES)
     execution: str = "auto"  # auto | cpu | cuda
     cache_dir: Path | None = None  # model + ONNX cache; None = specdec.models.default_cache_dir()
     session_ttl_s: float = 600.0  # idle sessions are reaped after this
@@ -118,6 +118,8 @@ class DraftServiceConfig:
         check_mmap_threshold(self.memory_mmap_threshold_bytes)
         if self.execution not in ("auto", "cpu", "cuda"):
             raise ValueError(f"execution must be auto, cpu or cuda, got {self.execution!r}")
+        if self.spin not in ("on", "run", "off"):
+            raise ValueError(f"spin must be on, run or off, got {self.spin!r}")
 
     @property
     def default_name(self) -> str:

@@ -38,6 +38,11 @@ _ORT_TO_NUMPY: dict[str, Any] = {
 }
 _PAST_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _DEFAULT_CPU_CAPACITY = 256
+# onnxruntime's intra-op workers between ops and between runs: "on" spins in
+# both (it holds a core between runs, ~100 % of one core while idle), "run"
+# spins within a run and stops when it returns (session.force_spinning_stop),
+# "off" sleeps between ops (a wake-up per op: ~3-4 ms more per 0.5B token)
+SPIN_MODES = ("on", "run", "off")
 
 
 def select_providers(execution: str) -> list[str]:
@@ -101,7 +106,7 @@ class OnnxCausalLM:
         *,
         execution: str = "auto",
         intra_op_threads: int = 0,
-        allow_spinning: bool = True,
+        spin: str = "on",
         max_cache_tokens: int | None = None,
         kv_mode: str = "auto",
         filename: str = "model.onnx",
@@ -114,7 +119,11 @@ class OnnxCausalLM:
         if intra_op_threads > 0:
             opts.intra_op_num_threads = intra_op_threads
         opts.inter_op_num_threads = 1
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
+        if spin not in SPIN_MODES:
+            raise ValueError(f"spin must be one of {', '.join(SPIN_MODES)}, got {spin!r}")
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0" if spin == "off" else "1")
+        if spin == "run":  # spin between a run's ops, and stop as soon as the run returns
+            opts.add_session_config_entry("session.force_spinning_stop", "1")
         opts.log_severity_level = 3
         path = self.model_dir / filename
         if not path.is_file():

@@ -313,7 +313,7 @@ def _load_onnx_model(spec: DrafterSpec, config: DraftServiceConfig) -> tuple[Any
         onnx_dir,
         execution=execution,
         intra_op_threads=config.intra_op_threads,
-        allow_spinning=config.allow_spinning,
+        spin=config.spin,
         max_cache_tokens=config.max_cache_tokens or None,
     )
     # one cache never holds more than the whole KV budget (on CUDA: the buffer preallocated per session)

@@ -15,7 +15,7 @@ It launches the services itself, each as its own ``specdec serve`` process:
   changes along the sweep. Target and draft are launched once; only the
   proxies and the orchestrator are restarted per RTT.
 * ``colocated``: both services unpinned with their default threads, sharing
-  every core (the draft without spin-waiting, as ``specdec up`` runs it), the
+  every core (the draft spin-waiting within a run only, as ``specdec up`` runs it), the
   orchestrator connected directly (RTT 0): one machine.
 
 For each topology × RTT, prompt and draft mode it runs greedy generation of
@@ -418,7 +418,7 @@ def run_colocated(a: argparse.Namespace, children: Children, prompts: list[dict[
     dport, tport, oport = free_port(), free_port(), free_port()
     try:
         # one at a time, as `specdec up` does: each measures itself at start-up on the shared cores
-        draft = launch_service(children, "draft", draft_cmd(a, dport, 0, "off"), dport, a.ready_timeout)
+        draft = launch_service(children, "draft", draft_cmd(a, dport, 0, "run"), dport, a.ready_timeout)
         target = launch_service(children, "target", target_cmd(a, tport, 0), tport, a.ready_timeout)
         res["topologies"]["colocated"] = {"target_numerics": target_numerics(target), "cpus": "all", "threads": 0}
         measured = {"target_direct": probe_rtt_ms(target), "draft_direct": probe_rtt_ms(draft)}

@@ -35,7 +35,7 @@ def add_up_command(sub: Any) -> None:
     up.add_argument("--gateway-port", type=int, default=DEFAULT_PORTS["gateway"],
                     help="the OpenAI-compatible HTTP gateway's port on 127.0.0.1 (0 = no gateway)")
     target = target_cli.add_arguments(up, "target-")
-    draft = draft_cli.add_arguments(up, "draft-", spin_default="off")
+    draft = draft_cli.add_arguments(up, "draft-", spin_default="run")
     speculation = orchestrator_cli.add_speculation_arguments(up)
     gateway = gateway_cli.add_arguments(up, "gateway-")
     up.add_argument("--metrics-port", type=int, default=9464,

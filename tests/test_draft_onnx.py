@@ -112,3 +112,22 @@ def test_cache_limit(tiny_onnx: TinyOnnx) -> None:
     m.forward(state, list(range(1, 21)))
     with pytest.raises(ValueError, match="cache limit"):
         m.forward(state, [1])
+
+
+def test_spin_modes_compute_the_same_logits_and_bad_modes_are_refused(tiny_onnx: TinyOnnx) -> None:
+    """The draft's spin mode (on / run / off: how onnxruntime's workers wait)
+    changes timing only: the same tokens give bit-identical logits in every
+    mode, and an unknown mode is refused by the model and by the config."""
+    from draft_service.config import DraftServiceConfig, DrafterSpec
+
+    ids = _ids(12, 34, seed=3)
+    outs = []
+    for spin in ("on", "run", "off"):
+        m = OnnxCausalLM(tiny_onnx.draft_fp32, execution="cpu", intra_op_threads=2, spin=spin)
+        st = m.new_state()
+        outs.append(np.concatenate([m.forward(st, ids[:8]), m.forward(st, ids[8:])]))
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    with pytest.raises(ValueError, match="spin must be one of on, run, off, got 'sometimes'"):
+        OnnxCausalLM(tiny_onnx.draft_fp32, execution="cpu", spin="sometimes")
+    with pytest.raises(ValueError, match="spin must be on, run or off, got 'always'"):
+        DraftServiceConfig(drafters=[DrafterSpec(name="tiny", model="m")], spin="always").validate()
