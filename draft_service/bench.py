@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from draft_service.config import SPIN_MODES
 from draft_service.drafter import OnnxDrafter
 from draft_service.onnx_model import OnnxCausalLM
 from specdec.sampling import SamplingConfig
@@ -93,7 +94,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--gamma", type=int, default=8)
     ap.add_argument("--kv-mode", default="auto")
-    ap.add_argument("--spin", default="on", choices=["on", "run", "off"], help="onnxruntime spin-waiting (onnx_model.SPIN_MODES)")
+    ap.add_argument("--spin", default="on", choices=list(SPIN_MODES), help="onnxruntime spin-waiting (config.SPIN_MODES)")
     a = ap.parse_args()
     if a.prompt_lookup:
         print(json.dumps(bench_prompt_lookup(a.context)))

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from draft_service.config import DrafterSpec, DraftServiceConfig
+from draft_service.config import SPIN_MODES, DrafterSpec, DraftServiceConfig
 from specdec.memory import DEFAULT_MMAP_THRESHOLD
 from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdec.service_cli import FlagSet, cli_error, serve_command, server_tls, validated
@@ -41,7 +41,7 @@ def add_arguments(p: argparse._ActionsContainer, prefix: str = "", *, spin_defau
     f.add("execution", dest="draft_execution", default="auto", choices=["auto", "cpu", "cuda"],
           help="draft execution provider")
     f.add("threads", dest="draft_threads", type=int, default=0, help="onnxruntime intra-op threads (0 = all)")
-    f.add("spin", dest="draft_spin", default=spin_default, choices=["on", "run", "off"],
+    f.add("spin", dest="draft_spin", default=spin_default, choices=list(SPIN_MODES),
           help="onnxruntime worker spin-waiting (on: also between runs, a core held while idle; run: within "
                "a run only, nothing spins while the target verifies; off: a wake-up per op, ~15 %% slower)")
     f.add("drafters", prefixed=False, default=DEFAULT_DRAFTERS,

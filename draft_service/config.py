@@ -12,6 +12,11 @@ from specdec.tls import TlsServerConfig
 
 
 DRAFTER_KINDS = ("onnx", "tli", "prompt-lookup", "auto")
+# onnxruntime's intra-op workers between ops and between runs: "on" spins in
+# both (it holds a core between runs, ~100 % of one core while idle), "run"
+# spins within a run and stops when it returns (session.force_spinning_stop),
+# "off" sleeps between ops (a wake-up per op: ~3-4 ms more per 0.5B token)
+SPIN_MODES = ("on", "run", "off")
 
 
 @dataclass
@@ -49,7 +54,7 @@ class DraftServiceConfig:
     max_span: int = 16  # largest num_tokens (γ) per Propose
     max_support: int = 64  # largest sparse q per drafted position (top-K truncation)
     intra_op_threads: int = 0  # onnxruntime intra-op threads; 0 = onnxruntime's default (all cores)
-    spin: str = "on"  # onnxruntime workers' spin-wait: on | run (within a run only) | off (onnx_model.SPIN_MODES)
+    spin: str = "on"  # onnxruntime workers' spin-wait, one of SPIN_MODES
     execution: str = "auto"  # auto | cpu | cuda
     cache_dir: Path | None = None  # model + ONNX cache; None = specdec.models.default_cache_dir()
     session_ttl_s: float = 600.0  # idle sessions are reaped after this
@@ -118,7 +123,7 @@ class DraftServiceConfig:
         check_mmap_threshold(self.memory_mmap_threshold_bytes)
         if self.execution not in ("auto", "cpu", "cuda"):
             raise ValueError(f"execution must be auto, cpu or cuda, got {self.execution!r}")
-        if self.spin not in ("on", "run", "off"):
+        if self.spin not in SPIN_MODES:
             raise ValueError(f"spin must be on, run or off, got {self.spin!r}")
 
     @property

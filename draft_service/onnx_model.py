@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 import onnxruntime as ort
 
+from draft_service.config import SPIN_MODES
 from specdec.logging_util import log
 
 logger = logging.getLogger("specdec.draft.onnx")
@@ -38,11 +39,6 @@ _ORT_TO_NUMPY: dict[str, Any] = {
 }
 _PAST_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _DEFAULT_CPU_CAPACITY = 256
-# onnxruntime's intra-op workers between ops and between runs: "on" spins in
-# both (it holds a core between runs, ~100 % of one core while idle), "run"
-# spins within a run and stops when it returns (session.force_spinning_stop),
-# "off" sleeps between ops (a wake-up per op: ~3-4 ms more per 0.5B token)
-SPIN_MODES = ("on", "run", "off")
 
 
 def select_providers(execution: str) -> list[str]:
