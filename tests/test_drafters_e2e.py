@@ -159,21 +159,18 @@ def lookup_draft_tokens(stack: Stack) -> float:
     return stack.orchestrator.servicer.metrics.num_draft_tokens.labels("auto:lookup")._value.get()
 
 
-def test_auto_with_local_lookup_is_greedy_identical_to_off(fresh_auto_stack: Stack) -> None:
+def test_auto_with_local_lookup_is_greedy_identical_to_off(multi_stack: Stack) -> None:
     """AUTO with the ``auto`` drafter: rounds whose committed suffix recurs
     verify the orchestrator's own prompt-lookup span (no Propose call), the
-    others go to the draft service; the tokens are OFF's either way. A stack
-    of its own: whether a lookup round is worth its probe depends on the
-    shared estimates, which other tests' requests move."""
-    stack = fresh_auto_stack
-    before = lookup_draft_tokens(stack)
+    others go to the draft service; the tokens are OFF's either way."""
+    before = lookup_draft_tokens(multi_stack)
     for prompt in PROMPTS:
-        off = stack.generate(prompt=prompt, mode="off", max_new_tokens=40)
-        spec = stack.generate(prompt=prompt, mode="auto", max_new_tokens=40, drafter="auto")
+        off = multi_stack.generate(prompt=prompt, mode="off", max_new_tokens=40)
+        spec = multi_stack.generate(prompt=prompt, mode="auto", max_new_tokens=40, drafter="auto")
         assert spec["token_ids"] == off["token_ids"], prompt
         assert spec["text"] == off["text"]
-    assert lookup_draft_tokens(stack) > before  # the repeated prompts did take the local path
-    stack.wait_no_sessions()
+    assert lookup_draft_tokens(multi_stack) > before  # the repeated prompts did take the local path
+    multi_stack.wait_no_sessions()
 
 
 @pytest.fixture
