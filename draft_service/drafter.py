@@ -193,9 +193,13 @@ class SameVocab:
 
 
 def top_probability(logits: np.ndarray) -> float:
-    """Largest softmax probability of raw logits [V] at temperature 1."""
-    x = logits.astype(np.float64)
-    return float(1.0 / np.exp(x - x.max()).sum())
+    """Largest softmax probability of raw logits [V] at temperature 1.
+
+    In float32 (the sum in float64): a draft-side estimate for the
+    confidence stop, and float64 over a 152k vocabulary cost ~1.5 ms per
+    drafted token, ~7 % of the 0.5B draft's own forward pass (0.2 ms now)."""
+    x = np.asarray(logits, dtype=np.float32)
+    return float(1.0 / np.exp(x - x.max()).sum(dtype=np.float64))
 
 
 def masked(logits: np.ndarray, allowed: np.ndarray, vocab: VocabHook) -> np.ndarray | None:

@@ -242,3 +242,20 @@ def test_draft_service_refuses_an_unknown_default_drafter() -> None:
         config_from_args(build_parser().parse_args(
             ["serve", "draft", "--drafters", "qwen2.5-coder-0.5b", "--default-drafter", "prompt-lookup"]), 0)
 
+
+def test_top_probability_is_the_softmax_maximum_in_float32() -> None:
+    """The confidence stop's estimate: float32 exp with a float64 sum agrees
+    with the float64 softmax to 1e-6 over a 152k vocabulary, masked (-inf)
+    entries included; a one-hot row is 1 and a flat row 1/V."""
+    from draft_service.drafter import top_probability
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(151_936) * 4).astype(np.float32)
+    x[:100] = -np.inf
+    y = x.astype(np.float64)
+    exact = 1.0 / np.exp(y - y.max()).sum()
+    assert abs(top_probability(x) - exact) < 1e-6 * exact
+    one_hot = np.full(1000, -np.inf, dtype=np.float32)
+    one_hot[7] = 3.0
+    assert top_probability(one_hot) == 1.0
+    assert abs(top_probability(np.zeros(4096, dtype=np.float32)) - 1 / 4096) < 1e-9
