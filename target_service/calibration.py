@@ -166,26 +166,34 @@ def measure_curve(
     forward: Callable[[int], None],
     reset: Callable[[], None],
     ks: Sequence[int] = CALIBRATION_KS,
-    reps: int = 3,
+    reps: int = 5,
     budget_s: float = 30.0,
 ) -> Curve:
     """Median wall time (ms) of ``forward(k)`` for each k, ``reset()`` after
-    every pass (untimed). One untimed pass first per k (kernels, allocator).
-    Past ``budget_s`` each remaining k gets a single timed pass."""
-    out: Curve = {}
-    t_start = time.perf_counter()
+    every pass (untimed). One untimed pass first per k (kernels, allocator),
+    then up to ``reps`` rounds, each timing every k in turn; no new round
+    starts once ``budget_s`` has passed (one round at least).
+
+    Rounds, not k after k: a VM's speed drifts by up to 2x within the hour,
+    and timed k after k a slow spell lands on some k's only and bends the
+    curve's shape, t(k)/t(1), by which the orchestrator prices a span before
+    it has seen one (measured on Zen 4: t(8) = 5.5 t(1) k after k in one
+    calibration, 2.6-2.8 t(1) in rounds, three times running). In rounds a
+    slow spell slows every k alike, and the median drops it."""
     for k in ks:
         forward(k)
         reset()
-        n = reps if time.perf_counter() - t_start < budget_s else 1
-        times = []
-        for _ in range(n):
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    t_start = time.perf_counter()
+    for r in range(max(1, reps)):
+        if r and time.perf_counter() - t_start >= budget_s:
+            break
+        for k in ks:
             t0 = time.perf_counter()
             forward(k)
-            times.append((time.perf_counter() - t0) * 1000.0)
+            times[k].append((time.perf_counter() - t0) * 1000.0)
             reset()
-        out[k] = round(statistics.median(times), 3)
-    return out
+    return {k: round(statistics.median(v), 3) for k, v in times.items()}
 
 
 @dataclass

@@ -18,7 +18,9 @@ from specdec.logging_util import log
 
 logger = logging.getLogger("specdec.target")
 
-CACHE_VERSION = 2
+#: 3: t(k) timed in rounds over every k (calibration.measure_curve), so
+#: curves measured k after k are measured again
+CACHE_VERSION = 3
 Curve = dict[int, float]  # k -> ms for one forward pass of k new tokens
 Pair = tuple[str, str]  # (dtype, backend)
 Measured = tuple[Curve, "dict[str, object] | None"]  # a pair's curve and its fidelity (or None)

@@ -166,6 +166,57 @@ def test_measured_curve_is_a_real_timing_of_the_model(tiny_models) -> None:  # t
     assert set(calls[1:]) == {1, 4, 8}
 
 
+def test_a_slow_spell_of_the_machine_does_not_bend_the_calibrated_curve(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """t(k) is timed in rounds over every k, so a slow spell (here six
+    passes in a row at 4x the time, on a fake clock) slows every k alike and
+    each k's median is its true time: the curve's shape, which prices a span
+    before any is seen, is the machine's. Negative control: the same spell
+    timed k after k (the old order) lands on k = 1 and 2 only and bends it."""
+    clock, passes = [0.0], [0]
+
+    def forward(k: int) -> None:
+        passes[0] += 1
+        slow = 4.0 if 8 <= passes[0] < 14 else 1.0  # after the 5 untimed passes: the 3rd to the 8th timed
+        clock[0] += (0.010 + 0.002 * k) * slow
+
+    monkeypatch.setattr(cal.time, "perf_counter", lambda: clock[0])
+    ks = (1, 2, 4, 8, 16)
+    curve = cal.measure_curve(forward, lambda: None, ks, reps=5, budget_s=30.0)
+    assert curve == {k: pytest.approx(10.0 + 2.0 * k) for k in ks}
+    assert passes[0] == 5 + 5 * len(ks)
+
+    passes[0] = 0  # the control: the spell at the same passes, timed k after k
+    for k in ks:
+        forward(k)
+    bent = {}
+    for k in ks:
+        times = []
+        for _ in range(5):
+            t0 = clock[0]
+            forward(k)
+            times.append((clock[0] - t0) * 1000.0)
+        bent[k] = sorted(times)[2]
+    assert bent[1] == pytest.approx(4 * 12.0) and bent[2] == pytest.approx(4 * 14.0)  # in the spell: the median too
+    assert bent[4] == pytest.approx(18.0)  # t(4) < t(1): the shape is the spell's, not the machine's
+
+
+def test_calibration_stops_starting_rounds_once_its_budget_is_spent(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A slow pair gets fewer rounds, one at least, every k timed in each."""
+    clock, timed = [0.0], []
+
+    def forward(k: int) -> None:
+        timed.append(k)
+        clock[0] += 1.0 * k  # a second per token: a round of (1, 2, 4) takes 7 s
+
+    monkeypatch.setattr(cal.time, "perf_counter", lambda: clock[0])
+    curve = cal.measure_curve(forward, lambda: None, (1, 2, 4), reps=5, budget_s=10.0)
+    assert curve == {1: 1000.0, 2: 2000.0, 4: 4000.0}
+    assert timed[3:] == [1, 2, 4, 1, 2, 4]  # warm-ups, round 1 (7 s), round 2 (started at 7 s < 10 s), no third
+    timed.clear()
+    cal.measure_curve(forward, lambda: None, (1, 2, 4), reps=5, budget_s=0.0)
+    assert timed[3:] == [1, 2, 4]  # one round at least
+
+
 def test_a_backend_that_measures_slower_is_not_chosen_and_results_are_cached(tiny_models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     measured: list[tuple[str, str]] = []
 
