@@ -131,3 +131,27 @@ def test_spin_modes_compute_the_same_logits_and_bad_modes_are_refused(tiny_onnx:
         OnnxCausalLM(tiny_onnx.draft_fp32, execution="cpu", spin="sometimes")
     with pytest.raises(ValueError, match="spin must be on, run or off, got 'always'"):
         DraftServiceConfig(drafters=[DrafterSpec(name="tiny", model="m")], spin="always").validate()
+
+
+def test_draft_floor_script_profiles_the_draft_and_times_its_shapes_on_kquant(tiny_models, tiny_onnx, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """scripts/draft_floor.py on the tiny int4 draft (one round, two tokens a
+    side): both sides timed, onnxruntime's profile has its MatMulNBits, and
+    the JSON, table and plot are written."""
+    import json
+    import subprocess
+    import sys
+
+    from target_service import kquant
+    from tests.stack import REPO
+
+    if kquant.isa() is None:
+        pytest.skip("the kquant kernel needs AVX-512 BF16 or AVX2 with FMA")
+    out = tmp_path / "floor"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "draft_floor.py"), "--model", str(tiny_models.draft),
+                    "--cache-dir", str(tiny_onnx.cache_dir), "--rounds", "1", "--passes", "2", "--context", "8",
+                    "--out", str(out)], check=True, capture_output=True, timeout=300, cwd=REPO)
+    res = json.loads((out / "results.json").read_text())
+    assert all(v > 0 for v in res["median_ms"].values()) and len(res["median_ms"]) == 2
+    assert res["onnxruntime_ops_ms"]["MatMulNBits"]["calls"] > 0
+    assert res["kquant_packed_mb"] > 0
+    assert (out / "results.md").exists() and (out / "draft_floor.png").exists()
