@@ -87,20 +87,15 @@ def op_profile(path: str, runs: int) -> dict[str, dict[str, float]]:
 
 
 def q4k_blocks(n: int, k: int, rng):  # type: ignore[no-untyped-def]
-    """Synthetic Q4_K blocks [n, k]: random codes, sub-block scales and mins."""
+    """Synthetic Q4_K blocks [n, k]: random bytes in the file's block layout
+    (finite float16 d and dmin), read by the project's own decoder."""
     import numpy as np
 
-    from specdec.models.gguf_blocks import Blocks
+    from specdec.models import gguf_blocks
 
-    kb = k // 256
-    d = rng.random((n, kb), dtype=np.float32) * 1e-3 + 1e-4
-    dmin = rng.random((n, kb), dtype=np.float32) * 1e-3
-    sc = rng.integers(0, 64, (n, kb, 8), dtype=np.uint8)
-    mn = rng.integers(0, 64, (n, kb, 8), dtype=np.uint8)
-    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
-    scale = (d[..., None] * sc).reshape(n, k // 32).astype(np.float32)
-    minimum = (dmin[..., None] * mn).reshape(n, k // 32).astype(np.float32)
-    return Blocks("Q4_K", codes, scale, minimum, 32, d=d, dmin=dmin, sub_scale=sc, sub_min=mn)
+    raw = rng.integers(0, 256, size=(n * k // gguf_blocks.QK_K, gguf_blocks.BLOCK_BYTES["Q4_K"]), dtype=np.uint8)
+    raw[:, 0:4] = (rng.random((raw.shape[0], 2)) * 1e-3 + 1e-4).astype(np.float16).view(np.uint8)
+    return gguf_blocks.decode_q4_k(raw, n, k)
 
 
 def draft_shapes(config: dict) -> list[tuple[int, int]]:

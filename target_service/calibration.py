@@ -178,7 +178,7 @@ def measure_curve(
     and timed k after k a slow spell lands on some k's only and bends the
     curve's shape, t(k)/t(1), by which the orchestrator prices a span before
     it has seen one (measured on Zen 4: t(8) = 5.5 t(1) k after k in one
-    calibration, 2.6-2.8 t(1) in rounds, three times running). In rounds a
+    calibration, 2.2-2.9 t(1) in rounds, four times running). In rounds a
     slow spell slows every k alike, and the median drops it."""
     for k in ks:
         forward(k)
