@@ -34,8 +34,10 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=100)
     p.add_argument("--k", default="1", help="comma-separated rows per verify (1 = a plain step)")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--layers", default="two-calls",
-                   help="comma-separated decoder-layer paths to compare in one process, interleaved: two-calls "
+    p.add_argument("--layers", default="stack,two-calls",
+                   help="comma-separated decoder-layer paths to compare in one process, interleaved: stack "
+                        "(target_service/fast_stack.py: the two-call layers in one plain loop, the kquant default; "
+                        "no hooks on the layers, so the step is split into the LM head and the rest only), two-calls "
                         "(target_service/fastlayers.py's layer_forward, the kquant default: two C calls per "
                         "layer, whose linear layers the hooks cannot see), fused (fast_forward: a C call per small "
                         "op, the linear layers from Python), fused-sdpa (the same with the model's SDPA) and/or "
@@ -59,7 +61,7 @@ def main() -> int:
     eng = TargetEngine(r.hf_dir, dtype=a.dtype, backend=a.backend, model_name=r.name, gguf_path=r.gguf_path)
     times: dict[str, float] = collections.defaultdict(float)
 
-    def timed(mod: torch.nn.Module, name: str) -> None:
+    def timed(mod: torch.nn.Module, name: str) -> list:  # type: ignore[type-arg]
         # hooks, not a wrapped forward: the layers' forward is switched below (--layers)
         start: list[float] = [0.0]
 
@@ -69,18 +71,18 @@ def main() -> int:
         def post(*_):  # type: ignore[no-untyped-def]
             times[name] += time.perf_counter() - start[0]
 
-        mod.register_forward_pre_hook(pre)
-        mod.register_forward_hook(post)
+        return [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
 
     linear_types = {"KQuantLinear", "Int4Linear", "PackedLinear", "Bf16WeightLinear", "Linear"}
+    layer_hooks = []  # removed for the stack path (fast_stack steps aside for a hooked layer)
     for name, mod in eng.model.named_modules():
         kind = type(mod).__name__
         if kind == "Qwen2DecoderLayer" or kind.endswith("DecoderLayer"):
-            timed(mod, "decoder layers")
+            layer_hooks.append((mod, "decoder layers"))
         elif name.endswith("lm_head"):
             timed(mod, "lm head")
         elif a.linear_hooks and kind in linear_types and not any(c for c in mod.children()):
-            timed(mod, "linear layers")
+            layer_hooks.append((mod, "linear layers"))
 
     out = eng.prefill(list(range(1000, 1000 + a.prompt_tokens)), SamplingConfig(), True)
     state = {"n": out.cache_len, "next": out.next_token}
@@ -91,11 +93,19 @@ def main() -> int:
 
     from target_service import fastlayers
 
+    handles: list = []  # type: ignore[type-arg]
+
     def set_layers(mode: str) -> None:
         fastlayers.uninstall(eng.model)
+        for h in handles:
+            h.remove()
+        handles.clear()
+        if mode != "stack":
+            for mod, name in layer_hooks:
+                handles.extend(timed(mod, name))
         if mode in ("fused", "fused-sdpa"):
             fastlayers.install(eng.model, c_attention=mode == "fused", two_calls=False)
-        elif mode == "two-calls":
+        elif mode in ("two-calls", "stack"):
             fastlayers.install(eng.model)
         elif mode != "eager":
             raise SystemExit(f"unknown --layers {mode!r}")
@@ -131,11 +141,14 @@ def main() -> int:
             "layers_other_ms": round(best.get("decoder layers", 0.0) - best.get("linear layers", 0.0), 2),
             "decoder_layers_ms": round(best.get("decoder layers", 0.0), 2),
         }
-        if mode == "two-calls" or not a.linear_hooks:  # the linear layers run inside the C calls, unseen
+        if mode in ("two-calls", "stack") or not a.linear_hooks:  # the linear layers run inside the C calls, unseen
             row["linear_ms"] = row["layers_other_ms"] = None
         row["lm_head_ms"] = round(best.get("lm head", 0.0), 2)
         # the final norm, the greedy choice, logit gaps, the engine's own bookkeeping
         row["outside_layers_ms"] = round(best["step"] - best.get("decoder layers", 0.0) - best.get("lm head", 0.0), 2)
+        if mode == "stack":  # the layers are not timed on their own: the step less the LM head
+            row["decoder_layers_ms"] = row["outside_layers_ms"] = None
+            row["layers_and_rest_ms"] = round(best["step"] - best.get("lm head", 0.0), 2)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(10):
                 step(k)
@@ -157,8 +170,11 @@ def main() -> int:
           f"CPU: {info.model}; torch {torch.__version__}", "",
           "| layers | k | step ms | decoder layers | linear layers | rest of the decoder layers | LM head | the rest |",
           "|---|---|---|---|---|---|---|---|"]
-    md += [f"| {x['layers']} | {x['k']} | {x['step_ms']} | {x['decoder_layers_ms']} | {x['linear_ms'] or '-'} | "
-           f"{x['layers_other_ms'] or '-'} | {x['lm_head_ms']} | {x['outside_layers_ms']} |" for x in rows]
+    md += [f"| {x['layers']} | {x['k']} | {x['step_ms']} | {x['decoder_layers_ms'] or '-'} | {x['linear_ms'] or '-'} | "
+           f"{x['layers_other_ms'] or '-'} | {x['lm_head_ms']} | {x['outside_layers_ms'] or '-'} |" for x in rows]
+    if any(x["layers"] == "stack" for x in rows):
+        md += ["", "stack: the layers and the rest together (the step less the LM head): "
+               + ", ".join(f"k = {x['k']} {x['layers_and_rest_ms']} ms" for x in rows if x["layers"] == "stack")]
     for x in rows:
         md += ["", f"Top eager ops, {x['layers']} layers, k = {x['k']} (self CPU, per step):", "", "| op | ms | calls |", "|---|---|---|"]
         md += [f"| `{o['op']}` | {o['ms_per_step']} | {o['calls_per_step']} |" for o in x["top_eager_ops"]]
@@ -176,7 +192,8 @@ def main() -> int:
                            ("decoder_layers_ms", "decoder layers (not split)"),
                            ("lm_head_ms", "LM head"), ("outside_layers_ms", "the rest")):
             if key == "decoder_layers_ms":  # only where the split is not known
-                vals = [x[key] if x["linear_ms"] is None else 0.0 for x in rows]
+                vals = [(x[key] if x[key] is not None else x.get("layers_and_rest_ms", 0.0))
+                        if x["linear_ms"] is None else 0.0 for x in rows]
             else:
                 vals = [x[key] or 0.0 for x in rows]
             ax.bar(labels, vals, bottom=bottom, label=label)

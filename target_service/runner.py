@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 import torch
 
+from target_service import fast_stack
 from target_service import kv_adapter as kv
 
 
@@ -24,7 +25,13 @@ class BatchRow:
 def forward(model: Any, device: torch.device, cache_kwarg: str, cache: kv.DynamicCache, ids: Sequence[int],
             keep: int) -> torch.Tensor:
     """Appends ``ids`` to ``cache``; returns the logits of the last ``keep``
-    positions, [keep, V] float32 (the LM head runs on those rows only)."""
+    positions, [keep, V] float32 (the LM head runs on those rows only).
+    On the kquant two-call layers, a plain loop over them
+    (target_service/fast_stack.py: the same bits)."""
+    if fast_stack.ENABLED:
+        logits = fast_stack.forward(model, cache, ids, keep)
+        if logits is not None:
+            return logits
     input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
     out = model(input_ids=input_ids, use_cache=True, logits_to_keep=keep, **{cache_kwarg: cache})
     return out.logits[0, -keep:].float()

@@ -1,0 +1,135 @@
+"""One session's pass as a plain loop over the kquant two-call layers
+(target_service/fast_stack.py): the logits of transformers' model forward
+through the same layers, bit for bit, over a session's life (prompt, steps,
+k-token verifies, a rollback, a cache set from a prefix hit), on both kernel
+builds; and where it does not apply (a hook, a cache layer of another kind,
+layers not on the two calls, a pass torch would split) it returns None with
+the cache untouched, and runner.forward runs the model as before.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from target_service import fast_stack, fastlayers, kquant, runner
+from target_service import kv_adapter as kv
+from tests.test_fastlayers import BUILDS, fast_model, tiny_kquant  # noqa: F401  (fast_model: a fixture)
+
+pytestmark = pytest.mark.skipif(kquant.isa() is None or not kquant.available()[0],
+                                reason="kquant kernel unavailable (needs AVX2+FMA and a C compiler)")
+
+CPU = torch.device("cpu")
+
+
+def session(m, stack: bool) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """A session's passes: a 9-token prompt, a step, a 4-token verify, a
+    rollback of 2 and a 3-token verify, then a new cache holding a copy of
+    the first 7 tokens (a prefix hit: layers set from outside) and 2 tokens
+    on it. ``stack``: fast_stack.forward, which must apply to every pass;
+    else transformers' forward through the same layers."""
+    g = torch.Generator().manual_seed(12)
+    tok = [int(x) for x in torch.randint(1, 30, (40,), generator=g)]
+
+    def run(cache: kv.DynamicCache, ids: list[int], keep: int) -> torch.Tensor:
+        if stack:
+            out = fast_stack.forward(m, cache, ids, keep)
+            assert out is not None, "fast_stack.forward stepped aside"
+            return out
+        fast_stack.ENABLED = False
+        try:
+            return runner.forward(m, CPU, "cache", cache, ids, keep)
+        finally:
+            fast_stack.ENABLED = True
+
+    outs = []
+    with torch.inference_mode():
+        cache = kv.new_cache(m.config)
+        outs.append(run(cache, tok[:9], 9))
+        outs.append(run(cache, tok[9:10], 1))
+        outs.append(run(cache, tok[10:14], 4))
+        kv.drop_last(cache, 2)
+        outs.append(run(cache, tok[14:17], 3))
+        assert kv.length(cache) == 15
+        hit = kv.new_cache(m.config)
+        for li in range(kv.num_layers(cache)):
+            k, v = kv.layer_kv(cache, li)
+            kv.set_layer_kv(hit, li, k[:, :, :7].clone(), v[:, :, :7].clone())
+        outs.append(run(hit, tok[20:22], 2))
+        outs.append(run(cache, tok[22:23], 1))  # the first session goes on after the copy
+    return outs
+
+
+@pytest.mark.parametrize("backend", ["kquant", "kquant-a8"])
+def test_the_stack_loop_gives_the_layer_paths_logits_bit_for_bit(fast_model, backend: str,  # type: ignore[no-untyped-def]
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    _, hf, gguf = fast_model
+    for build in BUILDS:
+        m = tiny_kquant(hf, gguf, build, backend, True, monkeypatch)
+        new, old = session(m, True), session(m, False)
+        assert len(new) == len(old) == 6
+        for i, (a, b) in enumerate(zip(new, old)):
+            assert a.dtype == torch.float32 and a.shape == b.shape, i
+            assert torch.equal(a, b), (build, i)
+        # a verify's rows are one-token steps' rows: the kernel's causal mask is the model's
+        assert torch.equal(new[2][:2], session_rows(m, 10, 12)), build
+
+
+def session_rows(m, start: int, end: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Rows start..end-1 of the session's token stream, one step at a time
+    on the stack loop (the same tokens as ``session``)."""
+    g = torch.Generator().manual_seed(12)
+    tok = [int(x) for x in torch.randint(1, 30, (40,), generator=g)]
+    rows = []
+    with torch.inference_mode():
+        cache = kv.new_cache(m.config)
+        fast_stack.forward(m, cache, tok[:start], 1)
+        for i in range(start, end):
+            out = fast_stack.forward(m, cache, tok[i:i + 1], 1)
+            assert out is not None
+            rows.append(out[0])
+    return torch.stack(rows)
+
+
+def test_the_stack_loop_steps_aside_untouched(fast_model, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    m, _, _ = fast_model
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    with torch.inference_mode():
+        ref_cache = kv.new_cache(m.config)
+        ref = runner.forward(m, CPU, "cache", ref_cache, ids, 2)
+
+        def declines(cache: kv.DynamicCache) -> None:
+            before = kv.length(cache)
+            assert fast_stack.forward(m, cache, ids, 2) is None
+            assert kv.length(cache) == before
+            out = runner.forward(m, CPU, "cache", cache, ids, 2)
+            assert torch.equal(out, ref)
+
+        # a forward hook on a layer must see its call
+        seen = []
+        handle = m.model.layers[1].register_forward_hook(lambda *_: seen.append(1))
+        try:
+            declines(kv.new_cache(m.config))
+            assert seen == [1]
+        finally:
+            handle.remove()
+        # a cache whose layers are transformers' own (it concatenates)
+        from transformers import DynamicCache
+        declines(DynamicCache(config=m.config))
+        # a pass torch would split over its threads (layer_forward runs fast_forward there)
+        with monkeypatch.context() as mp:
+            mp.setattr(fastlayers, "_TORCH_GRAIN", 8 * 512)
+            mp.setattr(torch, "get_num_threads", lambda: 2)
+            declines(kv.new_cache(m.config))
+        # the layers on fast_forward (no two-call plan)
+        fastlayers.uninstall(m)
+        fastlayers.install(m, two_calls=False)
+        try:
+            declines(kv.new_cache(m.config))
+        finally:
+            fastlayers.uninstall(m)
+            fastlayers.install(m)
+        # and it applies again
+        cache = kv.new_cache(m.config)
+        out = fast_stack.forward(m, cache, ids, 2)
+        assert out is not None and torch.equal(out, ref) and kv.length(cache) == len(ids)
