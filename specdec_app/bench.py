@@ -249,18 +249,32 @@ LLAMACPP = ("llama.cpp", 0, "")  # the schedule's key of llama.cpp target-only (
 
 def _best_of_rounds(
     stub: Any, prompt: dict[str, Any], schedule: list[tuple[str, int, str]], max_new: int, repeats: int,
-    llama: Any = None,
+    llama: Any = None, passes: dict[tuple[str, int, str], list[dict[str, Any]]] | None = None,
 ) -> dict[tuple[str, int, str], dict[str, Any]]:
     """Runs every (mode, γ, drafter) of ``schedule`` ``repeats`` times, going
     round the schedule forwards, then backwards, ...; keeps each one's
     fastest run. Interleaving (rather than back-to-back repeats) spreads a
-    slow spell of a shared machine over all configurations."""
+    slow spell of a shared machine over all configurations. ``passes``, if
+    given, receives every run of each configuration in order (run i of each
+    was one pass round the schedule: see :func:`paired_ratio`)."""
     best: dict[tuple[str, int, str], dict[str, Any]] = {}
     for key in alternating(schedule, repeats):
         run = llama.run(prompt, max_new) if key == LLAMACPP else _generate(stub, prompt, key[0], key[1], max_new, key[2])
+        if passes is not None:
+            passes.setdefault(key, []).append(run)
         if key not in best or run["tokens_per_second"] > best[key]["tokens_per_second"]:
             best[key] = run
     return best
+
+
+def paired_ratio(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]], field: str, b_field: str | None = None) -> float | None:
+    """The median over passes of a's ``field`` over b's (``b_field``, if b
+    names it otherwise): the runs of one pass ran next to each other (ABBA),
+    so each ratio shares the machine's state of its moment, where the ratio
+    of two fastest runs can take them from different moments of a VM whose
+    speed drifts. None without a pass where both ran."""
+    ratios = [x[field] / y[b_field or field] for x, y in zip(a, b) if x[field] > 0 and y[b_field or field] > 0]
+    return statistics.median(ratios) if ratios else None
 
 
 def select_prompts(a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -298,7 +312,8 @@ def run_bench(a: argparse.Namespace, orch: str, target: str, llama: Any = None) 
         for prompt in prompts:
             schedule = [("off", 0, "")] + [(mode, g, d) for d in drafters for mode, g in configs]
             schedule += [LLAMACPP] if llama is not None else []
-            runs = _best_of_rounds(stub, prompt, schedule, a.max_new_tokens, a.repeats, llama)
+            passes: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+            runs = _best_of_rounds(stub, prompt, schedule, a.max_new_tokens, a.repeats, llama, passes)
             ref = runs[("off", 0, "")]
             if llama is not None:
                 llama_best.append((prompt, runs[LLAMACPP], ref["token_ids"]))
@@ -339,7 +354,14 @@ def run_bench(a: argparse.Namespace, orch: str, target: str, llama: Any = None) 
                         "accepted_per_round": run["accepted_per_round"],
                         "acceptance_per_position": acceptance_per_position(run["gamma_trajectory"], run["accepted_per_round"]),
                         "baseline_text": ref["text"], "spec_text": run["text"],
+                        "decode_speedup_paired": paired_ratio(passes[(mode, g, drafter)], passes[("off", 0, "")],
+                                                              "decode_tokens_per_second"),
                     }
+                    if llama is not None:  # decode tok/s over llama.cpp's of the same pass
+                        row["off_vs_llamacpp_paired"] = paired_ratio(passes[("off", 0, "")], passes[LLAMACPP],
+                                                                     "decode_tokens_per_second", "decode_tok_s")
+                        row["spec_vs_llamacpp_paired"] = paired_ratio(passes[(mode, g, drafter)], passes[LLAMACPP],
+                                                                      "decode_tokens_per_second", "decode_tok_s")
                     rows.append(row)
                     print(md_row(row), flush=True)
     curve = {} if a.no_cost_curve else cost_curve(target)

@@ -44,6 +44,9 @@ def merge(spec: dict[str, Any], llama: dict[str, Any], mode: str = "auto") -> li
         if r["mode"] == mode:
             name = f"specdec {mode.upper()}" + (f" ({r['drafter']})" if len(drafters) > 1 else "")
             row["tok_s"][name], row["decode_tok_s"][name] = r[SPEC_KEYS[0]], r[SPEC_KEYS[1]]
+            for key, col in (("off_vs_llamacpp_paired", "OFF"), ("spec_vs_llamacpp_paired", name.removeprefix("specdec "))):
+                if r.get(key) is not None:  # decode, paired by pass (`specdec bench --llamacpp-bin`)
+                    row.setdefault("paired", {})[f"{col} ÷ llama.cpp target-only"] = r[key]
     merged = []
     llama_rows: dict[str, list[dict[str, Any]]] = {}
     for r in llama["rows"]:
@@ -109,6 +112,14 @@ def to_markdown(rows: list[dict[str, Any]], spec_meta: dict[str, Any], llama_met
         lines += _table(["prompt", "category"], [([r["prompt"], r["category"]], r["ratios"]) for r in rows], cols, ".2f")
         lines += ["", "Ratios to llama.cpp target-only, by category (geometric mean):", ""]
         lines += _table(["category"], [([c], v) for c, v in category_means(rows, "ratios").items()], cols, ".2f")
+    paired = [r for r in rows if r.get("paired")]
+    cols = _columns(paired, "paired")
+    if cols:
+        lines += ["", "Decode ratios to llama.cpp target-only paired by pass (each prompt: the median over its passes "
+                  "of the ratio within a pass, whose runs ran next to each other), per prompt:", ""]
+        lines += _table(["prompt", "category"], [([r["prompt"], r["category"]], r["paired"]) for r in paired], cols, ".2f")
+        lines += ["", "The same, by category (geometric mean):", ""]
+        lines += _table(["category"], [([c], v) for c, v in category_means(paired, "paired").items()], cols, ".2f")
     return "\n".join(lines) + "\n"
 
 
@@ -116,7 +127,8 @@ def write(spec: dict[str, Any], llama: dict[str, Any], out: Path, mode: str = "a
     """vs_llamacpp.json / .md / .png in ``out``; the paths written."""
     rows = merge(spec, llama, mode)
     out.mkdir(parents=True, exist_ok=True)
-    res = {"rows": rows, "by_category": {f: category_means(rows, f) for f in ("tok_s", "decode_tok_s", "ratios")},
+    by_category = {f: category_means([r for r in rows if f in r], f) for f in ("tok_s", "decode_tok_s", "ratios", "paired")}
+    res = {"rows": rows, "by_category": by_category,
            "specdec_meta": spec.get("meta", {}), "llamacpp_meta": llama.get("meta", {}), "mode": mode}
     paths = [out / "vs_llamacpp.json", out / "vs_llamacpp.md"]
     paths[0].write_text(json.dumps(res, indent=2))

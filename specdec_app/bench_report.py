@@ -49,11 +49,14 @@ def to_markdown(res: dict[str, Any], meta: dict[str, Any]) -> str:
              "speedup: tokens/s over the whole request (the prompt's prefill included) against OFF's; "
              "decode speedup: the same after the first token (prefill left out), what speculation changes.",
              "", HEADER] + [md_row(r) for r in res["rows"]] + fastest_table(res["rows"])
-    for key, what in (("speedup", "Speedup"), ("decode_speedup", "Decode speedup (after the first token)")):
-        if not res["rows"]:
-            break
+    for key, what in (("speedup", "Speedup"), ("decode_speedup", "Decode speedup (after the first token)"),
+                      ("decode_speedup_paired", "Decode speedup paired by pass (each prompt: the median over its "
+                       "passes of the ratio within a pass, whose runs ran next to each other)")):
+        rows = [r for r in res["rows"] if r.get(key) is not None]
+        if not rows:
+            continue
         lines += ["", f"{what} over target-only by category (geometric mean over the category's prompts):", ""]
-        table = category_table(res["rows"], key)
+        table = category_table(rows, key)
         cats = sorted({c for c, _ in table})
         confs = sorted({k for _, k in table}, key=_conf_order)
         lines += ["| category | " + " | ".join(_conf_label(k) for k in confs) + " |",

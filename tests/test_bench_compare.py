@@ -89,3 +89,24 @@ def test_the_command_writes_json_markdown_and_plot(tmp_path: Path) -> None:
     res = json.loads((out / "vs_llamacpp.json").read_text())
     assert res["by_category"]["ratios"]["prose"]["AUTO ÷ llama.cpp target-only"] == pytest.approx(0.5)
     assert (out / "vs_llamacpp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_paired_ratios_get_their_own_table_and_category_means(tmp_path: Path) -> None:
+    """A run interleaved with llama.cpp carries each row's decode ratios
+    paired by pass; they are reported as such, apart from the ratios of the
+    fastest runs, and a row without them (an older run) has no such column."""
+    spec = {**SPEC, "rows": [spec_row("py", "code-completion", "auto", 0, 10.0, 20.0,
+                                      off_vs_llamacpp_paired=0.8, spec_vs_llamacpp_paired=1.1),
+                             spec_row("js", "code-completion", "auto", 0, 12.0, 18.0,
+                                      off_vs_llamacpp_paired=0.9, spec_vs_llamacpp_paired=1.6),
+                             spec_row("prose", "prose", "auto", 0, 14.0, 13.0)]}
+    rows = bench_compare.merge(spec, LLAMA)
+    assert rows[0]["paired"] == {"OFF ÷ llama.cpp target-only": 0.8, "AUTO ÷ llama.cpp target-only": 1.1}
+    assert "paired" not in rows[2]
+    bench_compare.write(spec, LLAMA, tmp_path)
+    res = json.loads((tmp_path / "vs_llamacpp.json").read_text())
+    cat = res["by_category"]["paired"]
+    assert list(cat) == ["code-completion"]
+    assert cat["code-completion"]["AUTO ÷ llama.cpp target-only"] == pytest.approx(math.sqrt(1.1 * 1.6))
+    md = (tmp_path / "vs_llamacpp.md").read_text()
+    assert "paired by pass" in md and "| code-completion | 0.85 | 1.33 |" in md

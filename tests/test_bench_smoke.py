@@ -80,6 +80,33 @@ def test_repeats_interleave_configurations_and_keep_the_fastest(monkeypatch) -> 
     assert best[("auto", 0, "d")]["run"] == 4  # 9.0 beats 2.0
 
 
+def test_paired_ratio_compares_runs_of_the_same_pass(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The paired ratio is the median over passes of the ratio within a pass
+    (whose runs were neighbours); the ratio of the fastest runs can take
+    them from different moments. Here OFF runs at 10, 5, 10 and AUTO at 6,
+    12, 6 in the same three passes: within a pass AUTO is 0.6, 2.4 and 0.6
+    of OFF (median 0.6), while the fastest runs say 1.2, AUTO's taken from
+    the one pass where OFF was slow."""
+    speeds = {("off", 0, ""): [10.0, 5.0, 10.0], ("auto", 0, "d"): [6.0, 12.0, 6.0]}
+    it = {k: iter(v) for k, v in speeds.items()}
+
+    def fake_generate(stub, prompt, mode, gamma, max_new, drafter):  # type: ignore[no-untyped-def]
+        v = next(it[(mode, gamma, drafter)])
+        return {"tokens_per_second": v, "decode_tokens_per_second": v}
+
+    monkeypatch.setattr(bench, "_generate", fake_generate)
+    schedule = [("off", 0, ""), ("auto", 0, "d")]
+    passes: dict = {}  # type: ignore[type-arg]
+    best = bench._best_of_rounds(None, {"prompt": "x"}, schedule, 8, repeats=3, passes=passes)
+    assert [r["tokens_per_second"] for r in passes[("auto", 0, "d")]] == [6.0, 12.0, 6.0]
+    paired = bench.paired_ratio(passes[("auto", 0, "d")], passes[("off", 0, "")], "decode_tokens_per_second")
+    assert paired == pytest.approx(0.6)  # median of 0.6, 2.4, 0.6
+    assert best[("auto", 0, "d")]["tokens_per_second"] / best[("off", 0, "")]["tokens_per_second"] == pytest.approx(1.2)
+    # another field name on the other side (llama.cpp's runs say decode_tok_s), and no pass in common
+    assert bench.paired_ratio([{"a": 3.0}], [{"b": 2.0}], "a", "b") == pytest.approx(1.5)
+    assert bench.paired_ratio([], [{"b": 2.0}], "a", "b") is None
+
+
 def test_speedup_against_the_fastest_target_only_configuration() -> None:
     res = {"numerics": {"dtype": "float32", "backend": "packed"},
            "rows": [{"prompt": "a", "spec_tok_s": 8.0, "baseline_tok_s": 2.5},
