@@ -46,6 +46,10 @@ def main() -> int:
                    help="time the linear layers (hooks on each call: a few microseconds each, on the paths "
                         "that call them from Python)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each (layers, k) keeps its best")
+    p.add_argument("--paired-steps", type=int, default=0,
+                   help="then this many steps per k alternating, step by step, between the stack loop and "
+                        "transformers' loop over the same two-call layers (no hooks on either): the median of each "
+                        "and of the ratio of neighbouring steps, which the VM's drift between rounds does not move")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
 
@@ -160,10 +164,32 @@ def main() -> int:
         rows.append(row)
         print(json.dumps({key: v for key, v in row.items() if key != "top_eager_ops"}), flush=True)
 
+    paired = []
+    if a.paired_steps > 0:
+        import statistics
+
+        from target_service import fast_stack
+
+        set_layers("stack")
+        for k in ks:
+            ms: dict[bool, list[float]] = {True: [], False: []}
+            for i in range(2 * a.paired_steps):
+                on = (i % 2 == 0) == ((i // 2) % 2 == 0)  # ABBA
+                fast_stack.ENABLED = on
+                t0 = time.perf_counter()
+                step(k)
+                ms[on].append((time.perf_counter() - t0) * 1e3)
+            fast_stack.ENABLED = True
+            pair = {"k": k, "steps": a.paired_steps, "stack_ms": round(statistics.median(ms[True]), 2),
+                    "transformers_loop_ms": round(statistics.median(ms[False]), 2),
+                    "paired_ratio": round(statistics.median(x / y for x, y in zip(ms[True], ms[False])), 4)}
+            paired.append(pair)
+            print(json.dumps(pair), flush=True)
+
     info = cpu_info()
     result = {"model": r.name, "dtype": a.dtype, "backend": a.backend, "prompt_tokens": a.prompt_tokens,
               "cpu": info.model, "flags": sorted(f for f in info.flags if f.startswith(("avx", "amx", "fma"))),
-              "torch": torch.__version__, "rows": rows}
+              "torch": torch.__version__, "rows": rows, "paired": paired}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     md = [f"# One decoding step, {r.name} {a.dtype}/{a.backend}, {a.prompt_tokens}-token context", "",
@@ -175,6 +201,12 @@ def main() -> int:
     if any(x["layers"] == "stack" for x in rows):
         md += ["", "stack: the layers and the rest together (the step less the LM head): "
                + ", ".join(f"k = {x['k']} {x['layers_and_rest_ms']} ms" for x in rows if x["layers"] == "stack")]
+    if paired:
+        md += ["", "The stack loop against transformers' loop over the same two-call layers, step by step in turn "
+               "(ABBA), medians:", "", "| k | steps each | stack ms | transformers' loop ms | paired ratio |",
+               "|---|---|---|---|---|"]
+        md += [f"| {x['k']} | {x['steps']} | {x['stack_ms']} | {x['transformers_loop_ms']} | {x['paired_ratio']} |"
+               for x in paired]
     for x in rows:
         md += ["", f"Top eager ops, {x['layers']} layers, k = {x['k']} (self CPU, per step):", "", "| op | ms | calls |", "|---|---|---|"]
         md += [f"| `{o['op']}` | {o['ms_per_step']} | {o['calls_per_step']} |" for o in x["top_eager_ops"]]

@@ -129,7 +129,7 @@ def test_spin_modes_compute_the_same_logits_and_bad_modes_are_refused(tiny_onnx:
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
     with pytest.raises(ValueError, match="spin must be one of on, run, off, got 'sometimes'"):
         OnnxCausalLM(tiny_onnx.draft_fp32, execution="cpu", spin="sometimes")
-    with pytest.raises(ValueError, match="spin must be on, run or off, got 'always'"):
+    with pytest.raises(ValueError, match="spin must be one of on, run, off, got 'always'"):
         DraftServiceConfig(drafters=[DrafterSpec(name="tiny", model="m")], spin="always").validate()
 
 
@@ -155,3 +155,32 @@ def test_draft_floor_script_profiles_the_draft_and_times_its_shapes_on_kquant(ti
     assert res["onnxruntime_ops_ms"]["MatMulNBits"]["calls"] > 0
     assert res["kquant_packed_mb"] > 0
     assert (out / "results.md").exists() and (out / "draft_floor.png").exists()
+
+
+def test_draft_head_rows_script_cuts_the_head_and_counts_the_tokens_outside(tiny_models, tiny_onnx, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """scripts/draft_head_rows.py on the tiny int4 draft: the cut heads keep
+    the full head's logits on their rows (float32 rounding), every variant
+    is timed, and the share of tokens outside the rows falls as the rows
+    grow, to 0 with every row kept."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.stack import REPO
+
+    texts = tmp_path / "texts.json"
+    texts.write_text(json.dumps({"rows": [{"spec_text": "def add(a, b):\n    return a + b\n"},
+                                          {"spec_text": "hello world, hello draft"}]}))
+    out = tmp_path / "rows"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "draft_head_rows.py"), "--model",
+                           str(tiny_models.draft), "--cache-dir", str(tiny_onnx.cache_dir), "--rows", "4,16",
+                           "--rounds", "1", "--context", "8", "--corpus-mb", "0.2", "--texts", str(texts),
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["median_ms"]) == {"full", "full, re-saved", "V=4", "V=16"}
+    assert all(v > 0 for v in res["median_ms"].values())
+    assert all(d <= 1e-4 for d in res["kept_rows_max_abs_diff"].values())
+    ids = res["outside_share"]["token id"]
+    assert ids["4"] > ids["16"] >= 0 and res["target_tokens"] > 0
+    assert (out / "results.md").exists() and (out / "head_rows.png").exists()
