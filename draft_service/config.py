@@ -19,6 +19,13 @@ DRAFTER_KINDS = ("onnx", "tli", "prompt-lookup", "auto")
 SPIN_MODES = ("on", "run", "off")
 
 
+def check_spin(spin: str) -> None:
+    """ValueError unless ``spin`` is one of SPIN_MODES (the config's and the
+    ONNX model's check, one message)."""
+    if spin not in SPIN_MODES:
+        raise ValueError(f"spin must be one of {', '.join(SPIN_MODES)}, got {spin!r}")
+
+
 @dataclass
 class DrafterSpec:
     """One hosted drafter.
@@ -123,8 +130,7 @@ class DraftServiceConfig:
         check_mmap_threshold(self.memory_mmap_threshold_bytes)
         if self.execution not in ("auto", "cpu", "cuda"):
             raise ValueError(f"execution must be auto, cpu or cuda, got {self.execution!r}")
-        if self.spin not in SPIN_MODES:
-            raise ValueError(f"spin must be on, run or off, got {self.spin!r}")
+        check_spin(self.spin)
 
     @property
     def default_name(self) -> str:

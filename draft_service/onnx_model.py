@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from draft_service.config import SPIN_MODES
+from draft_service.config import check_spin
 from specdec.logging_util import log
 
 logger = logging.getLogger("specdec.draft.onnx")
@@ -115,8 +115,7 @@ class OnnxCausalLM:
         if intra_op_threads > 0:
             opts.intra_op_num_threads = intra_op_threads
         opts.inter_op_num_threads = 1
-        if spin not in SPIN_MODES:
-            raise ValueError(f"spin must be one of {', '.join(SPIN_MODES)}, got {spin!r}")
+        check_spin(spin)
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0" if spin == "off" else "1")
         if spin == "run":  # spin between a run's ops, and stop as soon as the run returns
             opts.add_session_config_entry("session.force_spinning_stop", "1")
