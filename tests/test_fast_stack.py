@@ -133,3 +133,44 @@ def test_the_stack_loop_steps_aside_untouched(fast_model, monkeypatch: pytest.Mo
         cache = kv.new_cache(m.config)
         out = fast_stack.forward(m, cache, ids, 2)
         assert out is not None and torch.equal(out, ref) and kv.length(cache) == len(ids)
+
+
+def test_the_engine_runs_a_sessions_passes_on_the_stack_loop(fast_model, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Through TargetEngine (the service's path: its sessions' caches, its
+    prefill and verify) every single-session pass takes the stack loop, and
+    greedy verification gives the tokens of transformers' loop."""
+    from specdec.sampling import SamplingConfig
+    from target_service.engine import TargetEngine
+
+    _, hf, gguf = fast_model
+    eng = TargetEngine(hf, dtype="bfloat16", backend="kquant-a8", gguf_path=gguf)
+    taken: list[bool] = []
+    real = fast_stack.forward
+
+    def counting(*a, **k):  # type: ignore[no-untyped-def]
+        out = real(*a, **k)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fast_stack, "forward", counting)
+
+    def decode(stack: bool) -> list[int]:
+        monkeypatch.setattr(fast_stack, "ENABLED", stack)
+        pre = eng.prefill([3, 9, 14, 2, 7, 1], SamplingConfig(), sample_next=True)
+        assert pre.next_token is not None
+        toks, n, new = [pre.next_token], 6, [pre.next_token]
+        for i in range(6):
+            draft = toks[-2:] if i % 2 else []  # some multi-token verifies (their drafts mostly rejected)
+            out = eng.verify(pre.session_id, n, new, draft, [None] * len(draft))
+            n += len(new) + out.result.num_accepted
+            new = [out.result.next_token]
+            toks += draft[: out.result.num_accepted] + new
+        eng.release(pre.session_id)
+        return toks
+
+    on = decode(True)
+    assert taken and all(taken), taken
+    taken.clear()
+    off = decode(False)
+    assert not taken  # the switch keeps runner.forward off the stack loop
+    assert on == off
