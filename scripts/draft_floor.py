@@ -36,6 +36,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+def draft_export(model: str, cache_dir: Path | None):  # type: ignore[no-untyped-def]
+    """(the resolved model, its int4 CPU export's directory, its config.json) for ``model``."""
+    from draft_service.export import ensure_onnx
+    from specdec.models import default_cache_dir, resolve
+
+    cache = cache_dir or default_cache_dir()
+    r = resolve(model, cache)
+    return r, ensure_onnx(Path(r.hf_dir), cache, "int4", "cpu"), json.loads((Path(r.hf_dir) / "config.json").read_text())
+
+
 def ort_session(model_dir: Path, threads: int, profile: bool):  # type: ignore[no-untyped-def]
     import onnxruntime as ort
 
@@ -126,15 +136,10 @@ def main() -> int:
     import numpy as np
     import torch
 
-    from draft_service.export import ensure_onnx
-    from specdec.models import default_cache_dir, resolve
     from target_service import kquant
     from target_service.backends import cpu_info
 
-    cache = a.cache_dir or default_cache_dir()
-    r = resolve(a.model, cache)
-    onnx_dir = ensure_onnx(Path(r.hf_dir), cache, "int4", "cpu")
-    config = json.loads((Path(r.hf_dir) / "config.json").read_text())
+    r, onnx_dir, config = draft_export(a.model, a.cache_dir)
 
     session = ort_session(onnx_dir, a.threads, profile=False)
     feeds = ort_feeds(session, a.context, config)

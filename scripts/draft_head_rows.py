@@ -111,14 +111,10 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     import draft_floor as df
-    from draft_service.export import ensure_onnx
-    from specdec.models import default_cache_dir, resolve
+    from specdec_app.bench_report import pyplot
     from target_service.backends import cpu_info
 
-    cache = a.cache_dir or default_cache_dir()
-    r = resolve(a.model, cache)
-    src = ensure_onnx(Path(r.hf_dir), cache, "int4", "cpu")
-    cfg = json.loads((Path(r.hf_dir) / "config.json").read_text())
+    r, src, cfg = df.draft_export(a.model, a.cache_dir)
     tok = AutoTokenizer.from_pretrained(r.hf_dir)
     vocab = int(cfg["vocab_size"])
     specials = sorted(int(i) for i in tok.added_tokens_decoder)
@@ -182,20 +178,14 @@ def main() -> int:
            f"{outside['token id'][v]:.1%} | {outside['stdlib frequency'][v]:.1%} |" for v in sizes]
     md += ["", f"Target tokens: {total}, the outputs in {a.texts}."]
     (a.out / "results.md").write_text("\n".join(md) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.bar(list(med), list(med.values()))
         ax.set_ylabel("ms per draft token")
         ax.set_title(f"{r.name}: LM head rows")
         fig.tight_layout()
         fig.savefig(a.out / "head_rows.png", dpi=120)
-    except ImportError:
-        pass
     return 0
 
 
