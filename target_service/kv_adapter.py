@@ -62,9 +62,12 @@ class GrowingLayer(DynamicLayer):
     def __init__(self) -> None:
         super().__init__()
         self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the views the last append left as keys/values: while the layer still
+        # holds exactly those, the next append needs none of _writable's checks
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def reset(self) -> None:
-        self._bufs = None
+        self._bufs = self._last = None
         super().reset()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
@@ -86,6 +89,20 @@ class GrowingLayer(DynamicLayer):
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Appends [B, H, n, D] keys and values after the layer's tokens."""
+        last, bufs = self._last, self._bufs
+        if last is not None and bufs is not None and self.keys is last[0] and self.values is last[1]:
+            # the common step: the layer holds the views of our buffers the last append left
+            bk, bv = bufs
+            t, n = last[0].shape[2], key_states.shape[2]
+            if (t + n < bk.shape[2] and key_states.dtype == bk.dtype and value_states.dtype == bv.dtype
+                    and key_states.device == bk.device and value_states.device == bv.device
+                    and key_states.shape[:2] == bk.shape[:2] and key_states.shape[3] == bk.shape[3]
+                    and value_states.shape == key_states.shape):
+                bk.narrow(2, t, n).copy_(key_states)
+                bv.narrow(2, t, n).copy_(value_states)
+                self.keys, self.values = bk.narrow(2, 0, t + n), bv.narrow(2, 0, t + n)
+                self._last = (self.keys, self.values)
+                return
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = self.get_seq_length()
@@ -103,6 +120,7 @@ class GrowingLayer(DynamicLayer):
         bk[:, :, t:need].copy_(key_states)
         bv[:, :, t:need].copy_(value_states)
         self.keys, self.values = bk[:, :, :need], bv[:, :, :need]
+        self._last = (self.keys, self.values)
 
 
 def new_cache(config: Any) -> DynamicCache:

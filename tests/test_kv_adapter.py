@@ -158,3 +158,24 @@ def test_keys_set_from_outside_are_never_written_into(model: Any) -> None:
     forward(model, ref, PROMPT)
     assert torch.equal(forward(model, hit, [18, 19]), forward(model, ref, [18, 19]))
     assert all(torch.equal(k, sk) and torch.equal(v, sv) for (k, v), (sk, sv) in zip(entry, saved))
+
+
+def test_a_layer_set_from_outside_after_its_own_appends_is_not_written_into(model: Any) -> None:
+    """The append that follows an append writes without re-checking, but
+    only while the layer holds the very views the last one left: keys set
+    from outside in between (a prefix hit replacing a session's layers) are
+    moved into a buffer of the layer's own, never written into."""
+    grow = kv.new_cache(model.config)
+    forward(model, grow, PROMPT)
+    forward(model, grow, [3])  # the layers now hold the views their last append left
+    src = kv.new_cache(model.config)
+    forward(model, src, PROMPT + [15])
+    outside = [tuple(kv.owned(t) for t in kv.layer_kv(src, li)) for li in range(kv.num_layers(src))]
+    saved = [(k.clone(), v.clone()) for k, v in outside]
+    for li, (k, v) in enumerate(outside):
+        kv.set_layer_kv(grow, li, k[:, :, : len(PROMPT)], v[:, :, : len(PROMPT)])
+    ref = _plain_cache(model.config)
+    forward(model, ref, PROMPT)
+    assert torch.equal(forward(model, grow, [18, 19]), forward(model, ref, [18, 19]))
+    assert all(torch.equal(k, sk) and torch.equal(v, sv) for (k, v), (sk, sv) in zip(outside, saved))
+    assert torch.equal(forward(model, grow, [4]), forward(model, ref, [4]))  # and appends on as before
