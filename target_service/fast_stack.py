@@ -8,13 +8,16 @@ forward (its decorators, the causal mask, the keyword arguments every layer
 is called with), 28 ``nn.Module`` calls, ``layer_forward``'s checks and four
 allocations per layer, and the cache's ``update``: ~2 ms a step, ~5 % of it
 (docs/benchmarks.md, "the decoder stack in one loop"). :func:`forward` runs
-the same computation as a plain loop: the model's own embedding, rotary
-tables, final norm and LM head; per layer ``kq_layer_pre``, the session
-layer's in-place append (``kv_adapter.GrowingLayer``) and ``kq_layer_post``,
-with scratch allocated once per pass and the causal mask computed in the
-kernel (a single session has no padding, and a masked key adds exact
-zeros), so the logits are the layer path's bit for bit
-(tests/test_fast_stack.py).
+the same computation with the model's own embedding, rotary tables, final
+norm and LM head around one C call over every layer (``kq_stack``: per
+layer ``kq_layer_pre``, the new keys and values copied into the session
+layer's buffer, ``kq_layer_post``), which each growing cache layer
+(``kv_adapter.GrowingLayer``) has made room for first (``reserve``) and
+counts the tokens of after (``extend``), with scratch allocated once per
+pass and the causal mask computed in the kernel (a single session has no
+padding, and a masked key adds exact zeros), so the logits are the layer
+path's bit for bit (tests/test_fast_stack.py). Should the call fail, no
+layer holds the pass's tokens.
 
 It applies to one session's pass (``runner.forward``) when every layer has
 a two-call plan and the model runs an attention the kernel replaces, the
@@ -28,6 +31,7 @@ layers are built as the model reaches them.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any, Sequence
 
 import torch
@@ -35,6 +39,8 @@ from torch.nn.modules import module as _module
 
 from target_service import fastlayers
 from target_service import kv_adapter as kv
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
 
 #: off switch, for comparisons (scripts/step_breakdown.py) and tests
 ENABLED = True
@@ -59,6 +65,9 @@ def _plans(model: Any, cache: kv.DynamicCache, t: int) -> list[Any] | None:
                 or layer.self_attn.sliding_window is not None:
             return None
         plans.append(p)
+    p0 = plans[0]
+    if any((p.H, p.Hkv, p.D, p.hidden) != (p0.H, p0.Hkv, p0.D, p0.hidden) for p in plans):
+        return None  # one scratch serves every layer
     if layers[0].self_attn.config._attn_implementation not in fastlayers.C_ATTENTION_FOR:
         return None
     if t * plans[0].inter >= fastlayers._TORCH_GRAIN and torch.get_num_threads() > 1:
@@ -83,27 +92,28 @@ def forward(model: Any, cache: kv.DynamicCache, ids: Sequence[int], keep: int) -
     if x.dtype != torch.float32 or x.shape != (1, t, p0.hidden) or cos.dtype != torch.float32 \
             or cos.shape != (1, t, d) or sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous()):
         return None
-    x = x.contiguous().clone()  # written in place from the second layer on: a buffer of our own
+    x = x.contiguous().clone()  # the kernel writes it: a buffer of our own
     h = torch.empty_like(x)
     qs = torch.empty((1, p0.H, t, d), dtype=torch.float32)
     ks = torch.empty((1, p0.Hkv, t, d), dtype=torch.float32)
     vs = torch.empty((1, p0.Hkv, t, d), dtype=torch.float32)
-    lib = inner.layers[0]._specdec_lib
-    pre, post = lib.kq_layer_pre, lib.kq_layer_post
-    cp, sp, qp, kp, vp = cos.data_ptr(), sin.data_ptr(), qs.data_ptr(), ks.data_ptr(), vs.data_ptr()
-    for p, layer in zip(plans, cache.layers):
-        if p.H != p0.H or p.Hkv != p0.Hkv or p.D != d or p.hidden != p0.hidden:
-            raise ValueError("fast_stack: the decoder layers differ in shape")
-        if pre(p.ptr, x.data_ptr(), 1, t, cp, sp, 0, qp, kp, vp):
-            raise MemoryError("kquant layer: scratch allocation failed")
-        layer.append(ks, vs)
-        k, v = layer.keys, layer.values
-        kst, vst = k.stride(), v.stride()
-        rc = post(p.ptr, x.data_ptr(), 1, t, qp, k.data_ptr(), kst[0], kst[1], kst[2],
-                  v.data_ptr(), vst[0], vst[1], vst[2], k.shape[2], None, 0, 0, 0, h.data_ptr())
-        if rc:  # 2 (an attention shape the kernel does not take) is ruled out by fastlayers.plan
-            raise MemoryError("kquant layer: scratch allocation failed") if rc == 1 else \
-                RuntimeError(f"kq_layer_post returned {rc}")
-        x, h = h, x
+    n = len(plans)
+    kb, vb, cap = (_P * n)(), (_P * n)(), (_I * n)()
+    for i, layer in enumerate(cache.layers):
+        held, bk, bv = layer.reserve(ks, vs)
+        if held != past:
+            raise RuntimeError(f"fast_stack: cache layer {i} holds {held} tokens, layer 0 {past}")
+        kb[i], vb[i], cap[i] = bk.data_ptr(), bv.data_ptr(), bk.shape[2]
+    layer_ptrs = (_P * n)(*[p.ptr for p in plans])
+    rc = inner.layers[0]._specdec_lib.kq_stack(layer_ptrs, n, x.data_ptr(), h.data_ptr(), t, cos.data_ptr(),
+                                                sin.data_ptr(), qs.data_ptr(), ks.data_ptr(), vs.data_ptr(),
+                                                kb, vb, cap, past)
+    if rc:  # 2 (an attention shape the kernel does not take) is ruled out by fastlayers.plan
+        raise MemoryError("kquant layer: scratch allocation failed") if rc == 1 else \
+            RuntimeError(f"kq_stack returned {rc}")
+    for layer in cache.layers:  # the cache holds the pass's tokens only once every layer has them
+        layer.extend(past, t)
+    if n % 2:
+        x = h
     x = inner.norm(x)
     return model.lm_head(x[:, -keep:, :])[0].float()

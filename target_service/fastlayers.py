@@ -101,6 +101,8 @@ def _lib(which: str) -> ctypes.CDLL:
     lib.kq_layer_pre.argtypes = [_P, _P, _I, _I, _P, _P, _I, _P, _P, _P]
     lib.kq_layer_post.restype = ctypes.c_int
     lib.kq_layer_post.argtypes = [_P, _P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _I, _P]
+    lib.kq_stack.restype = ctypes.c_int  # fast_stack.py: a session's pass through every layer
+    lib.kq_stack.argtypes = [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I]
     return lib
 
 

@@ -1339,3 +1339,36 @@ int kq_layer_post(const kq_layer_t* L, const float* x, int64_t B, int64_t T, con
     for (int c = 0; c < 2; c++) free(outs[c]);
     return rc;
 }
+
+/* One session's pass (B = 1) through nl layers in one call (fast_stack.py):
+   per layer kq_layer_pre, its new keys and values copied into the layer's
+   cache buffer at rows past .. past + T − 1 (kb[l], vb[l]: [Hkv][cap[l]][D]
+   floats, rows below past the cache's tokens), then kq_layer_post over rows
+   0 .. past + T − 1, causal: the routines of the two-call path on the same
+   inputs, so the same bits. x [T][hidden] is the input and is overwritten;
+   the output is in x when nl is even, else in h. qs, ks, vs: scratch of
+   [H][T][D], [Hkv][T][D] and [Hkv][T][D] floats. Returns 0, or the first
+   failing call's code (1: scratch allocation; 2: an attention shape
+   kq_attention does not take); rows past past + T − 1 of a buffer are
+   written by the layers that ran, nothing below past. */
+int kq_stack(const kq_layer_t* const* L, int64_t nl, float* x, float* h, int64_t T, const float* cos,
+             const float* sin, float* qs, float* ks, float* vs, float* const* kb, float* const* vb,
+             const int64_t* cap, int64_t past) {
+    for (int64_t l = 0; l < nl; l++) {
+        const kq_layer_t* P = L[l];
+        int rc = kq_layer_pre(P, x, 1, T, cos, sin, 0, qs, ks, vs);
+        if (rc) return rc;
+        const int64_t D = P->D, hs = cap[l] * D;
+        for (int64_t g = 0; g < P->Hkv; g++) {
+            memcpy(kb[l] + g * hs + past * D, ks + g * T * D, (size_t)(T * D) * sizeof(float));
+            memcpy(vb[l] + g * hs + past * D, vs + g * T * D, (size_t)(T * D) * sizeof(float));
+        }
+        rc = kq_layer_post(P, x, 1, T, qs, kb[l], P->Hkv * hs, hs, D, vb[l], P->Hkv * hs, hs, D, past + T,
+                           NULL, 0, 0, 0, h);
+        if (rc) return rc;
+        float* t = x;
+        x = h;
+        h = t;
+    }
+    return 0;
+}

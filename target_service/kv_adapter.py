@@ -87,40 +87,56 @@ class GrowingLayer(DynamicLayer):
         return k.data_ptr() == b[0].data_ptr() and k.stride() == b[0].stride() and \
             self.values.data_ptr() == b[1].data_ptr() and self.values.stride() == b[1].stride()
 
-    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Appends [B, H, n, D] keys and values after the layer's tokens."""
+    def reserve(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Makes room for ``key_states.shape[2]`` more tokens shaped like
+        ``key_states`` / ``value_states`` ([B, H, n, D]), the layer's tokens
+        kept (moved into a new buffer where they do not fit, or were set from
+        outside); returns (the layer's tokens t, the key buffer, the value
+        buffer), [B, H, capacity, D] with t + n < capacity. Nothing is written
+        at rows t and after until :meth:`extend` says they hold tokens."""
         last, bufs = self._last, self._bufs
+        n = key_states.shape[2]
         if last is not None and bufs is not None and self.keys is last[0] and self.values is last[1]:
             # the common step: the layer holds the views of our buffers the last append left
             bk, bv = bufs
-            t, n = last[0].shape[2], key_states.shape[2]
+            t = last[0].shape[2]
             if (t + n < bk.shape[2] and key_states.dtype == bk.dtype and value_states.dtype == bv.dtype
                     and key_states.device == bk.device and value_states.device == bv.device
                     and key_states.shape[:2] == bk.shape[:2] and key_states.shape[3] == bk.shape[3]
                     and value_states.shape == key_states.shape):
-                bk.narrow(2, t, n).copy_(key_states)
-                bv.narrow(2, t, n).copy_(value_states)
-                self.keys, self.values = bk.narrow(2, 0, t + n), bv.narrow(2, 0, t + n)
-                self._last = (self.keys, self.values)
-                return
+                return t, bk, bv
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = self.get_seq_length()
-        need = t + key_states.shape[2]
+        need = t + n
         if not self._writable(t, need, key_states):
             cap = need + headroom(need)
-            bufs = []
+            grown = []
             for old, new in ((self.keys, key_states), (self.values, value_states)):
                 buf = new.new_empty((new.shape[0], new.shape[1], cap, new.shape[3]))
                 if t:
                     buf[:, :, :t].copy_(old)
-                bufs.append(buf)
-            self._bufs = (bufs[0], bufs[1])
+                grown.append(buf)
+            self._bufs = (grown[0], grown[1])
+            self.keys, self.values = grown[0][:, :, :t], grown[1][:, :, :t]
+            self._last = (self.keys, self.values)
         bk, bv = self._bufs  # type: ignore[misc]
-        bk[:, :, t:need].copy_(key_states)
-        bv[:, :, t:need].copy_(value_states)
-        self.keys, self.values = bk[:, :, :need], bv[:, :, :need]
+        return t, bk, bv
+
+    def extend(self, t: int, n: int) -> None:
+        """Rows t .. t + n − 1 of the buffers :meth:`reserve` returned (with
+        t) now hold the next n tokens: the layer holds t + n."""
+        bk, bv = self._bufs  # type: ignore[misc]
+        self.keys, self.values = bk.narrow(2, 0, t + n), bv.narrow(2, 0, t + n)
         self._last = (self.keys, self.values)
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Appends [B, H, n, D] keys and values after the layer's tokens."""
+        t, bk, bv = self.reserve(key_states, value_states)
+        n = key_states.shape[2]
+        bk.narrow(2, t, n).copy_(key_states)
+        bv.narrow(2, t, n).copy_(value_states)
+        self.extend(t, n)
 
 
 def new_cache(config: Any) -> DynamicCache:
