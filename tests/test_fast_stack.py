@@ -174,3 +174,27 @@ def test_the_engine_runs_a_sessions_passes_on_the_stack_loop(fast_model, monkeyp
     off = decode(False)
     assert not taken  # the switch keeps runner.forward off the stack loop
     assert on == off
+
+
+def test_a_failed_stack_call_leaves_the_cache_as_it_was(fast_model, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Should the kernel's call fail (scratch it cannot allocate), the error
+    says so and no layer holds the pass's tokens; the session goes on as if
+    the pass had not been tried."""
+    m, _, _ = fast_model
+    layer0 = m.model.layers[0]
+    real = layer0._specdec_lib
+
+    class Failing:
+        def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+            return (lambda *a: 1) if name == "kq_stack" else getattr(real, name)
+
+    with torch.inference_mode():
+        cache, ref = kv.new_cache(m.config), kv.new_cache(m.config)
+        fast_stack.forward(m, cache, [3, 1, 4, 1], 1)
+        fast_stack.forward(m, ref, [3, 1, 4, 1], 1)
+        monkeypatch.setattr(layer0, "_specdec_lib", Failing())
+        with pytest.raises(MemoryError, match="scratch allocation failed"):
+            fast_stack.forward(m, cache, [5, 9], 2)
+        assert kv.length(cache) == 4
+        monkeypatch.setattr(layer0, "_specdec_lib", real)
+        assert torch.equal(fast_stack.forward(m, cache, [2, 6], 2), fast_stack.forward(m, ref, [2, 6], 2))
