@@ -6,8 +6,8 @@ linear layers, attention and small ops of a 1-token step of the 1.5B target
 take ~29 ms, and what is left of the step is Python: transformers' model
 forward (its decorators, the causal mask, the keyword arguments every layer
 is called with), 28 ``nn.Module`` calls, ``layer_forward``'s checks and four
-allocations per layer, and the cache's ``update``: ~2 ms a step, ~5 % of it
-(docs/benchmarks.md, "the decoder stack in one loop"). :func:`forward` runs
+allocations per layer, and the cache's ``update``: ~2-3 ms a step, 5-7 % of
+it (docs/benchmarks.md, "the decoder stack in one C call"). :func:`forward` runs
 the same computation with the model's own embedding, rotary tables, final
 norm and LM head around one C call over every layer (``kq_stack``: per
 layer ``kq_layer_pre``, the new keys and values copied into the session
