@@ -62,12 +62,9 @@ class GrowingLayer(DynamicLayer):
     def __init__(self) -> None:
         super().__init__()
         self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
-        # the views the last append left as keys/values: while the layer still
-        # holds exactly those, the next append needs none of _writable's checks
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def reset(self) -> None:
-        self._bufs = self._last = None
+        self._bufs = None
         super().reset()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
@@ -94,17 +91,7 @@ class GrowingLayer(DynamicLayer):
         outside); returns (the layer's tokens t, the key buffer, the value
         buffer), [B, H, capacity, D] with t + n < capacity. Nothing is written
         at rows t and after until :meth:`extend` says they hold tokens."""
-        last, bufs = self._last, self._bufs
         n = key_states.shape[2]
-        if last is not None and bufs is not None and self.keys is last[0] and self.values is last[1]:
-            # the common step: the layer holds the views of our buffers the last append left
-            bk, bv = bufs
-            t = last[0].shape[2]
-            if (t + n < bk.shape[2] and key_states.dtype == bk.dtype and value_states.dtype == bv.dtype
-                    and key_states.device == bk.device and value_states.device == bv.device
-                    and key_states.shape[:2] == bk.shape[:2] and key_states.shape[3] == bk.shape[3]
-                    and value_states.shape == key_states.shape):
-                return t, bk, bv
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = self.get_seq_length()
@@ -119,7 +106,6 @@ class GrowingLayer(DynamicLayer):
                 grown.append(buf)
             self._bufs = (grown[0], grown[1])
             self.keys, self.values = grown[0][:, :, :t], grown[1][:, :, :t]
-            self._last = (self.keys, self.values)
         bk, bv = self._bufs  # type: ignore[misc]
         return t, bk, bv
 
@@ -128,7 +114,6 @@ class GrowingLayer(DynamicLayer):
         t) now hold the next n tokens: the layer holds t + n."""
         bk, bv = self._bufs  # type: ignore[misc]
         self.keys, self.values = bk.narrow(2, 0, t + n), bv.narrow(2, 0, t + n)
-        self._last = (self.keys, self.values)
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Appends [B, H, n, D] keys and values after the layer's tokens."""
