@@ -36,7 +36,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--layers", default="stack,two-calls",
                    help="comma-separated decoder-layer paths to compare in one process, interleaved: stack "
-                        "(target_service/fast_stack.py: the two-call layers in one plain loop, the kquant default; "
+                        "(target_service/fast_stack.py: the two-call layers in one C call, the kquant default; "
                         "no hooks on the layers, so the step is split into the LM head and the rest only), two-calls "
                         "(target_service/fastlayers.py's layer_forward, the kquant default: two C calls per "
                         "layer, whose linear layers the hooks cannot see), fused (fast_forward: a C call per small "

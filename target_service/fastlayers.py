@@ -75,7 +75,7 @@ import torch
 
 from target_service import kquant
 
-IDENTITY = "fused-layers-3"  # (3: the decoder stack in one loop, fast_stack.py) part of the calibration cache's identity: bump when the numerics or timing can change
+IDENTITY = "fused-layers-3"  # (3: the decoder stack in one C call, fast_stack.py) part of the calibration cache's identity: bump when the numerics or timing can change
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64

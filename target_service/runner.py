@@ -26,7 +26,7 @@ def forward(model: Any, device: torch.device, cache_kwarg: str, cache: kv.Dynami
             keep: int) -> torch.Tensor:
     """Appends ``ids`` to ``cache``; returns the logits of the last ``keep``
     positions, [keep, V] float32 (the LM head runs on those rows only).
-    On the kquant two-call layers, a plain loop over them
+    On the kquant two-call layers, one C call over them
     (target_service/fast_stack.py: the same bits)."""
     if fast_stack.ENABLED:
         logits = fast_stack.forward(model, cache, ids, keep)

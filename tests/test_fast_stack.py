@@ -20,6 +20,8 @@ pytestmark = pytest.mark.skipif(kquant.isa() is None or not kquant.available()[0
                                 reason="kquant kernel unavailable (needs AVX2+FMA and a C compiler)")
 
 CPU = torch.device("cpu")
+#: the token stream of the session the tests replay
+TOKENS = [int(x) for x in torch.randint(1, 30, (40,), generator=torch.Generator().manual_seed(12))]
 
 
 def session(m, stack: bool) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
@@ -28,8 +30,6 @@ def session(m, stack: bool) -> list[torch.Tensor]:  # type: ignore[no-untyped-de
     the first 7 tokens (a prefix hit: layers set from outside) and 2 tokens
     on it. ``stack``: fast_stack.forward, which must apply to every pass;
     else transformers' forward through the same layers."""
-    g = torch.Generator().manual_seed(12)
-    tok = [int(x) for x in torch.randint(1, 30, (40,), generator=g)]
 
     def run(cache: kv.DynamicCache, ids: list[int], keep: int) -> torch.Tensor:
         if stack:
@@ -45,18 +45,18 @@ def session(m, stack: bool) -> list[torch.Tensor]:  # type: ignore[no-untyped-de
     outs = []
     with torch.inference_mode():
         cache = kv.new_cache(m.config)
-        outs.append(run(cache, tok[:9], 9))
-        outs.append(run(cache, tok[9:10], 1))
-        outs.append(run(cache, tok[10:14], 4))
+        outs.append(run(cache, TOKENS[:9], 9))
+        outs.append(run(cache, TOKENS[9:10], 1))
+        outs.append(run(cache, TOKENS[10:14], 4))
         kv.drop_last(cache, 2)
-        outs.append(run(cache, tok[14:17], 3))
+        outs.append(run(cache, TOKENS[14:17], 3))
         assert kv.length(cache) == 15
         hit = kv.new_cache(m.config)
         for li in range(kv.num_layers(cache)):
             k, v = kv.layer_kv(cache, li)
             kv.set_layer_kv(hit, li, k[:, :, :7].clone(), v[:, :, :7].clone())
-        outs.append(run(hit, tok[20:22], 2))
-        outs.append(run(cache, tok[22:23], 1))  # the first session goes on after the copy
+        outs.append(run(hit, TOKENS[20:22], 2))
+        outs.append(run(cache, TOKENS[22:23], 1))  # the first session goes on after the copy
     return outs
 
 
@@ -78,14 +78,12 @@ def test_the_stack_loop_gives_the_layer_paths_logits_bit_for_bit(fast_model, bac
 def session_rows(m, start: int, end: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """Rows start..end-1 of the session's token stream, one step at a time
     on the stack loop (the same tokens as ``session``)."""
-    g = torch.Generator().manual_seed(12)
-    tok = [int(x) for x in torch.randint(1, 30, (40,), generator=g)]
     rows = []
     with torch.inference_mode():
         cache = kv.new_cache(m.config)
-        fast_stack.forward(m, cache, tok[:start], 1)
+        fast_stack.forward(m, cache, TOKENS[:start], 1)
         for i in range(start, end):
-            out = fast_stack.forward(m, cache, tok[i:i + 1], 1)
+            out = fast_stack.forward(m, cache, TOKENS[i:i + 1], 1)
             assert out is not None
             rows.append(out[0])
     return torch.stack(rows)
