@@ -404,8 +404,9 @@ static inline __attribute__((always_inline)) void tile_body(const job_t* j, int6
    input lane of 16 consecutive elements quantized to int8 with its own
    float32 scale (dx = max|x| / 127, codes round(x / dx), round half to even),
    and the products of codes summed exactly in int32 (AVX-512 VNNI
-   vpdpbusd; AVX2 vpmaddubsw + vpmaddwd, no saturation: |q| <= 63,
-   |xq| <= 127). Per super-block, output and lane l (16 weights, sub-block
+   vpdpbusd; AVX2 two vpmaddubsw added as int16, then vpmaddwd; no
+   saturation: |q| <= 63, |xq| <= 127, so a pair sum is within ±16002 and
+   two within ±32004). Per super-block, output and lane l (16 weights, sub-block
    scale S_l = d·sc, Q4_K min M_l = dmin·m):
        acc_l += (S_l · dx_l) · float(Σ q·xq)      [Q6_K: Σ (q+32)·xq − 32 Σ xq, in int32]
        acc_l −= M_l · (dx_l · Σ xq)              [Q4_K only]
