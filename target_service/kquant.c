@@ -402,7 +402,7 @@ static inline __attribute__((always_inline)) void tile_body(const job_t* j, int6
 /* ------------------------------------------------------ 8-bit activations
    kq_linear_a8: the same weights (the file's codes and scales), with each
    input lane of 16 consecutive elements quantized to int8 with its own
-   float32 scale (dx = max|x| / 127, codes round(x / dx), round half to even),
+   float32 scale (dx = max|x| / 127, codes rint(x · (127 / max|x|)), half to even),
    and the products of codes summed exactly in int32 (AVX-512 VNNI
    vpdpbusd; AVX2 two vpmaddubsw added as int16, then vpmaddwd; no
    saturation: |q| <= 63, |xq| <= 127, so a pair sum is within ±16002 and

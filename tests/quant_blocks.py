@@ -22,12 +22,18 @@ def random_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     per = {"Q4_K": 144, "Q6_K": 210}[kind]
     b = rng.integers(0, 256, size=(n * k // 256, per), dtype=np.uint8)
-    d = (rng.random((b.shape[0], 2)) * 0.01 + 1e-4).astype(np.float16).view(np.uint8)
+    return with_d(b, kind, (rng.random((b.shape[0], 2)) * 0.01 + 1e-4)).reshape(n, -1)
+
+
+def with_d(b: np.ndarray, kind: str, d: np.ndarray) -> np.ndarray:
+    """Blocks b (one a row) with their float16 d (Q4_K: d, dmin) set from
+    d [blocks][2] (Q6_K uses the first column)."""
+    raw = d.astype(np.float16).view(np.uint8)
     if kind == "Q4_K":
-        b[:, 0:4] = d.reshape(-1, 4)
+        b[:, 0:4] = raw.reshape(-1, 4)
     else:
-        b[:, 208:210] = d[:, 0:2]
-    return b.reshape(n, -1)
+        b[:, 208:210] = raw[:, 0:2]
+    return b
 
 
 def gguf_dequantize(raw: np.ndarray, kind: str, n: int, k: int) -> np.ndarray:
@@ -48,10 +54,6 @@ def extreme_blocks(kind: str, n: int, k: int) -> np.ndarray:
     the kernel stores them, scales 127), d = dmin = 2^-10."""
     per = {"Q4_K": 144, "Q6_K": 210}[kind]
     b = np.full((n * k // 256, per), 0xFF, dtype=np.uint8)
-    d = np.full((b.shape[0], 2), 2.0 ** -10, dtype=np.float16).view(np.uint8)
-    if kind == "Q4_K":
-        b[:, 0:4] = d.reshape(-1, 4)
-    else:
+    if kind == "Q6_K":
         b[:, 192:208] = 127
-        b[:, 208:210] = d[:, 0:2]
-    return b.reshape(n, -1)
+    return with_d(b, kind, np.full((b.shape[0], 2), 2.0 ** -10)).reshape(n, -1)
