@@ -55,6 +55,12 @@ def add_speculation_arguments(p: argparse._ActionsContainer) -> FlagSet:
     f.add("local-lookup", default="on", choices=["on", "off"],
           help="requests drafting with auto: prompt lookup in the orchestrator first (no draft call; rounds "
                "priced at the target's verify cost), the model drafter for the other rounds (unary drafting)")
+    f.add("draft-context-window", type=int, default=64,
+          help="unary drafting: a draft catch-up of more than this many tokens takes in the sequence's first "
+               "--draft-context-sink tokens and the last this many instead (a bounded draft prefill; "
+               "acceptance only, never the output); 0 = the whole context")
+    f.add("draft-context-sink", type=int, default=4,
+          help="with --draft-context-window: the sequence's first tokens the draft always keeps")
     f.add("draft-batch-events", default="on", choices=["on", "off"],
           help="draft streams send every ready drafted token in one message instead of one message per "
                "token (same tokens, fewer wake-ups per round)")
@@ -71,6 +77,8 @@ def check_speculation_args(a: argparse.Namespace) -> None:
         raise cli_error("--decode-ahead must be in [0, 64]")
     if a.run_ahead_tokens < 1:
         raise cli_error("--run-ahead-tokens must be at least 1")
+    if a.draft_context_window < 0 or a.draft_context_sink < 0:
+        raise cli_error("--draft-context-window and --draft-context-sink must be 0 or more")
 
 
 def add_arguments(p: argparse._ActionsContainer) -> None:
@@ -134,6 +142,7 @@ def config_from_args(a: argparse.Namespace, port: int) -> OrchestratorConfig:
         target_verify_stream=a.target_verify_stream == "on",
         draft_batch_events=a.draft_batch_events == "on", draft_prefill_overlap=a.draft_prefill_overlap,
         local_lookup=a.local_lookup == "on",
+        draft_context_window=a.draft_context_window, draft_context_sink=a.draft_context_sink,
         routing=RoutingConfig(discovery_interval_s=a.discovery_interval, backoff_s=a.replica_backoff,
                               target_load_factor=a.target_load_factor),
         tls=server_tls(a),

@@ -72,6 +72,16 @@ class OrchestratorConfig:
     # target's verify cost alone; the model drafter serves the other rounds.
     # Unary drafting only. False: the draft service's ``auto`` decides alone.
     local_lookup: bool = True
+    # Unary drafting: a catch-up of more than this many tokens (the prompt at
+    # the first drafted round, the tokens since the last one after plain
+    # rounds) gives the draft its first draft_context_sink tokens plus the
+    # last draft_context_window committed ones instead of all of them
+    # (orchestrator/draft_window.py): a bounded draft prefill, so trying the
+    # drafter on a long prompt stays cheap. Acceptance only; 0 = off. 64:
+    # docs/benchmarks.md "The draft's context window" (0.5B drafter, code:
+    # 48 drafted as well as the whole prompt on completion and chat, 32 worse).
+    draft_context_window: int = 64
+    draft_context_sink: int = 4
     # Verify over one VerifyStream call per session instead of a unary call per
     # round (same answers; saves a call's set-up each round, docs/benchmarks.md);
     # a target without VerifyStream gets unary calls.

@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator
 from orchestrator.decode_params import (  # noqa: F401  (re-exported: the loop's public types)
     DRAFT_MODES, DRAFT_S_PER_TOKEN, MAX_REBUILDS_PER_ROUND, PREFILL_S_PER_TOKEN, DecodeParams, Step, UnknownDrafter,
 )
+from orchestrator.draft_window import DraftFeed, plan_feed
 from orchestrator.policy import RoundObservation
 from orchestrator.request_stats import RequestStats
 from orchestrator.protocols import DraftClient, DraftStream, PostToken, ProposeReply, TargetClient, VerifyReply
@@ -47,6 +48,7 @@ class Decoder:
         self.draft_sid: str | None = None
         self.draft_sessions = 0  # draft sessions created so far: the next one's rng_offset
         self.draft_known = 0  # committed tokens the draft session knows
+        self.draft_skip = 0  # ... less the committed tokens [sink, sink + skip) its context window left out
         self._fed_tokens = 0  # committed tokens the last Propose fed the draft
         self.draft_down_until_round = 0
         self._draft_wall_ms = 0.0
@@ -126,7 +128,7 @@ class Decoder:
                 self.p.draft_options,
             )
             self.draft_sessions += 1  # the next session (if this one is lost) gets a fresh stream
-            self.draft_known = 0
+            self.draft_known = self.draft_skip = 0
         except InvalidArgument as e:  # e.g. an unknown drafter name: the client's error
             raise UnknownDrafter(f"speculation.drafter: {e.message}") from None
         except SpecdecError as e:
@@ -144,21 +146,23 @@ class Decoder:
                     if self.draft_sid is None:
                         break
                 t0 = time.perf_counter()
-                self._fed_tokens = len(self.committed) - self.draft_known
+                feed = self._draft_feed()
+                self._fed_tokens = len(feed.tokens)
                 reply = await self.draft.propose(
                     self.draft_sid,
-                    self.draft_known,
-                    self.committed[self.draft_known :],
+                    feed.base,
+                    feed.tokens,
                     gamma,
                     min_confidence,
                     self._timeout(self._draft_timeout(self._fed_tokens)),
                 )
                 self._draft_wall_ms = (time.perf_counter() - t0) * 1e3
-                problem = self._proposal_problem(reply, gamma)
+                problem = self._proposal_problem(reply, gamma, feed.draft_len())
                 if problem:
                     self._draft_fault(problem)
                     return None
-                self.draft_known = reply.committed_len
+                self.draft_skip = feed.skip
+                self.draft_known = reply.committed_len + feed.skip
                 self.stats.draft_cached_prompt_tokens += reply.cached_tokens
                 return reply
             except NotFound:
@@ -190,17 +194,24 @@ class Decoder:
         prompt in (its proposal is dropped). A failure is only logged: the
         first round's Propose takes in whatever is missing."""
         assert self.draft is not None
-        prompt = self.p.prompt_ids
+        feed = plan_feed(self.p.prompt_ids, 0, 0, self.p.draft_window, self.p.draft_sink)
         try:
-            reply = await self.draft.propose(sid, 0, prompt, 1, 0.0, self._timeout(self._draft_timeout(len(prompt))))
+            reply = await self.draft.propose(sid, 0, feed.tokens, 1, 0.0,
+                                             self._timeout(self._draft_timeout(len(feed.tokens))))
         except SpecdecError as e:
             log(logger, logging.INFO, "draft prompt prefill not finished; the first draft round takes it in",
                 error=e.message)
             return
-        if self.draft_sid == sid and self.draft_known == 0 and reply.committed_len == len(prompt):
-            self.draft_known = reply.committed_len
+        if self.draft_sid == sid and self.draft_known == 0 and reply.committed_len == feed.draft_len():
+            self.draft_known, self.draft_skip = reply.committed_len + feed.skip, feed.skip
             self.stats.draft_cached_prompt_tokens += reply.cached_tokens
             self.stats.draft_ms += reply.compute_ms
+
+    def _draft_feed(self) -> DraftFeed:
+        """The next Propose's context (orchestrator/draft_window.py): the
+        committed tokens the draft has not taken in, or, past its context
+        window, its sink and the last window of them."""
+        return plan_feed(self.committed, self.draft_known, self.draft_skip, self.p.draft_window, self.p.draft_sink)
 
     def _warming(self) -> bool:
         """The draft's overlapped prompt prefill is still running."""
@@ -231,7 +242,7 @@ class Decoder:
             return 0, 0.0
         outlook = getattr(self.p.policy, "set_outlook", None)
         if outlook is not None and not self.streamed and self.draft is not None:
-            outlook(len(self.committed) - self.draft_known, remaining, self.generated)
+            outlook(len(self._draft_feed().tokens), remaining, self.generated)
         gamma = min(self.p.policy.next_gamma(), remaining - 1)
         return gamma, (self.p.min_confidence or self.p.policy.stop_confidence()) if gamma > 0 else 0.0
 
@@ -540,17 +551,19 @@ class Decoder:
             self.stats.verify_ms += reply.compute_ms
             return reply, draft_ids or reply.drafted  # a decode-ahead step's own lookup span
 
-    def _proposal_problem(self, reply: ProposeReply, gamma: int) -> str:
+    def _proposal_problem(self, reply: ProposeReply, gamma: int, context_len: int) -> str:
         """What is wrong with a proposal on its face ("" = nothing): a span
         longer than asked for, q not one per drafted token, or tokens drafted
-        for another prefix than the committed one (docs/design.md §5)."""
+        after another context than the one sent (``context_len``: the draft's
+        sequence, the committed tokens less what its context window left out;
+        docs/design.md §5)."""
         if len(reply.token_ids) > gamma:
             return f"the draft proposed {len(reply.token_ids)} tokens for a span of {gamma}"
         if reply.q and len(reply.q) != len(reply.token_ids):
             return f"the draft sent {len(reply.q)} distributions for {len(reply.token_ids)} tokens"
-        if reply.committed_len != len(self.committed):
+        if reply.committed_len != context_len:
             return (f"the draft drafted after {reply.committed_len} committed tokens, "
-                    f"not the {len(self.committed)} the request holds")
+                    f"not the {context_len} it was sent")
         return ""
 
     def _draft_fault(self, error: str) -> None:

@@ -81,3 +81,6 @@ class DecodeParams:
     lookup_policy: DraftLengthPolicy | None = None
     lookup_label: str = ""
     max_lookup_tokens: int = 8  # the longest span a lookup round verifies
+    # unary drafting: the draft's context window and sink (orchestrator/draft_window.py); 0 = whole context
+    draft_window: int = 0
+    draft_sink: int = 4

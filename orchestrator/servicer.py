@@ -265,6 +265,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             lookup_policy=lookup_policy,
             lookup_label=lookup_label,
             max_lookup_tokens=spec.num_draft_tokens or self.policies.adaptive.gamma_max,
+            # the draft's grammar follows the whole sequence: with one, it takes in every token
+            draft_window=self.cfg.draft_context_window if options.grammar is None else 0,
+            draft_sink=self.cfg.draft_context_sink,
         )
 
     # -------------------------------------------------------------- Generate
