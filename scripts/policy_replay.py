@@ -53,6 +53,7 @@ def collect(a: argparse.Namespace) -> None:
 
     from draft_service.export import ensure_onnx
     from draft_service.onnx_model import OnnxCausalLM
+    from orchestrator.draft_window import plan_feed
     from specdec.models import default_cache_dir, resolve
 
     cache = default_cache_dir()
@@ -62,6 +63,11 @@ def collect(a: argparse.Namespace) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(tgt.hf_dir), dtype=torch.bfloat16).eval()
     draft = OnnxCausalLM(ensure_onnx(drf.hf_dir, cache, a.precision, "cpu"), execution="cpu")
     prompts = [json.loads(line) for line in Path(a.prompts).read_text().splitlines() if line.strip()]
+    span = a.max_span
+    known: dict[str, list[int]] = {}  # --reuse-target: the target's greedy tokens of an earlier collect
+    if a.reuse_target:
+        for t in json.loads(Path(a.reuse_target).read_text())["traces"]:
+            known[t["id"]] = t["target"] + t.get("target_tail", [])
     out: list[dict[str, Any]] = []
     for p in prompts:
         if a.only and p["id"] not in a.only:
@@ -73,24 +79,25 @@ def collect(a: argparse.Namespace) -> None:
             ids = list(tok(p["prompt"])["input_ids"])
         t0 = time.perf_counter()
         # target greedy
-        gen: list[int] = []
+        gen: list[int] = list(known.get(p["id"], []))
         cache_kv = DynamicCache(config=model.config)
         feed = ids
         with torch.inference_mode():
-            for _ in range(a.max_new_tokens + MAX_SPAN):
+            for _ in range(0 if len(gen) >= a.max_new_tokens + span else a.max_new_tokens + span):
                 logits = model(input_ids=torch.tensor([feed]), past_key_values=cache_kv, use_cache=True, logits_to_keep=1).logits[0, -1]
                 nxt = int(torch.argmax(logits))
                 gen.append(nxt)
                 feed = [nxt]
-        # draft greedy runs from every position
+        # draft greedy runs from every position; with --draft-window the draft
+        # takes in the prompt as the orchestrator's context window would send it
         state = draft.new_state()
-        last = draft.forward(state, ids)[-1]
+        last = draft.forward(state, plan_feed(ids, 0, 0, a.draft_window, a.draft_sink).tokens)[-1]
         runs, confs = [], []
         for i in range(a.max_new_tokens):
             base = state.length
             drafted, conf = [], []
             logits = last
-            for _ in range(MAX_SPAN):
+            for _ in range(span):
                 x = logits.astype(np.float64)
                 t = int(np.argmax(x))
                 conf.append(float(1.0 / np.exp(x - x.max()).sum()))
@@ -98,17 +105,19 @@ def collect(a: argparse.Namespace) -> None:
                 logits = draft.forward(state, [t])[-1]
             state.crop(base)
             n = 0
-            while n < MAX_SPAN and drafted[n] == gen[i + n]:
+            while n < span and drafted[n] == gen[i + n]:
                 n += 1
             runs.append(n)
             confs.append(conf)
             last = draft.forward(state, [gen[i]])[-1]
         out.append({"id": p["id"], "category": p["category"], "prompt_tokens": len(ids), "target": gen[: a.max_new_tokens],
-                    "runs": runs, "confidence": confs})
+                    "target_tail": gen[a.max_new_tokens:], "runs": runs, "confidence": confs,
+                    "draft_window": a.draft_window, "draft_sink": a.draft_sink})
         print(json.dumps({"prompt": p["id"], "s": round(time.perf_counter() - t0, 1),
-                          "mean_run": round(sum(runs) / len(runs), 2)}), flush=True)
+                          "mean_run": round(sum(runs) / len(runs), 2),
+                          "first_accepted": round(sum(r > 0 for r in runs) / len(runs), 3)}), flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"traces": out, "max_span": MAX_SPAN}))
+    Path(a.out).write_text(json.dumps({"traces": out, "max_span": span}))
 
 
 # ------------------------------------------------------------------ replay
@@ -259,6 +268,13 @@ def main() -> None:
     c.add_argument("--only", action="append")
     c.add_argument("--max-new-tokens", type=int, default=96)
     c.add_argument("--out", default="bench-out/traces.json")
+    c.add_argument("--max-span", type=int, default=MAX_SPAN, help="draft tokens tried from every position")
+    c.add_argument("--draft-window", type=int, default=0,
+                   help="the orchestrator's --draft-context-window: the draft takes in the prompt's first "
+                        "--draft-sink tokens and its last this many (0 = the whole prompt)")
+    c.add_argument("--draft-sink", type=int, default=4)
+    c.add_argument("--reuse-target", default="", help="a traces.json of the same prompts: its target tokens "
+                   "instead of running the target again")
     r = sub.add_parser("replay")
     r.add_argument("traces", nargs="+")
     r.add_argument("--only", action="append")
