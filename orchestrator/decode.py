@@ -157,7 +157,7 @@ class Decoder:
                     self._timeout(self._draft_timeout(self._fed_tokens)),
                 )
                 self._draft_wall_ms = (time.perf_counter() - t0) * 1e3
-                problem = self._proposal_problem(reply, gamma, feed.draft_len())
+                problem = reply.problem(gamma, feed.draft_len())
                 if problem:
                     self._draft_fault(problem)
                     return None
@@ -550,21 +550,6 @@ class Decoder:
             self.target_cache_len, self._run_left = reply.cache_len, reply.ahead_left
             self.stats.verify_ms += reply.compute_ms
             return reply, draft_ids or reply.drafted  # a decode-ahead step's own lookup span
-
-    def _proposal_problem(self, reply: ProposeReply, gamma: int, context_len: int) -> str:
-        """What is wrong with a proposal on its face ("" = nothing): a span
-        longer than asked for, q not one per drafted token, or tokens drafted
-        after another context than the one sent (``context_len``: the draft's
-        sequence, the committed tokens less what its context window left out;
-        docs/design.md §5)."""
-        if len(reply.token_ids) > gamma:
-            return f"the draft proposed {len(reply.token_ids)} tokens for a span of {gamma}"
-        if reply.q and len(reply.q) != len(reply.token_ids):
-            return f"the draft sent {len(reply.q)} distributions for {len(reply.token_ids)} tokens"
-        if reply.committed_len != context_len:
-            return (f"the draft drafted after {reply.committed_len} committed tokens, "
-                    f"not the {context_len} it was sent")
-        return ""
 
     def _draft_fault(self, error: str) -> None:
         """The draft served something the target refused: count it, drop

@@ -73,6 +73,20 @@ class ProposeReply:
     exposed_ms: float = 0.0  # stream: draft compute of the span's tokens that arrived while it waited
     cached_tokens: int = 0  # tokens the draft session took from its prefix cache on this call
 
+    def problem(self, gamma: int, context_len: int) -> str:
+        """What is wrong with this unary proposal on its face ("" = nothing):
+        a span longer than asked for, q not one per drafted token, or tokens
+        drafted after another context than the one sent (``context_len``: the
+        draft's sequence, the committed tokens less what its context window
+        left out, orchestrator/draft_window.py; docs/design.md §5)."""
+        if len(self.token_ids) > gamma:
+            return f"the draft proposed {len(self.token_ids)} tokens for a span of {gamma}"
+        if self.q and len(self.q) != len(self.token_ids):
+            return f"the draft sent {len(self.q)} distributions for {len(self.token_ids)} tokens"
+        if self.committed_len != context_len:
+            return f"the draft drafted after {self.committed_len} committed tokens, not the {context_len} it was sent"
+        return ""
+
 
 class TargetClient(Protocol):
     async def prefill(
