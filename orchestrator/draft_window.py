@@ -7,9 +7,10 @@ tokens the draft has not taken in yet (the prompt at a request's first
 drafted round, everything since the last drafted round after plain ones),
 costs the draft a prefill of that many tokens before it can draft. On CPU,
 where draft and target share the cores, that prefill is paid in the
-request's time: 741 prompt tokens cost the 0.5B draft 1.4 s on one 2-core machine (about 5 s on a slow AVX2 one), far more than
-a first probe of the drafter may cost a request (orchestrator/probing.py),
-so AUTO never tried the drafter on a long prompt.
+request's time: 741 prompt tokens cost the 0.5B draft 1.4 s on one 2-core
+machine (about 5 s on a slow AVX2 one), far more than a first probe of the
+drafter may cost a request (orchestrator/probing.py), so AUTO never tried
+the drafter on a long prompt.
 
 With a window of W tokens, a catch-up of more than W tokens instead keeps
 the first ``sink`` tokens the draft holds and takes in only the last W
