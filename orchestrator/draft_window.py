@@ -62,4 +62,3 @@ def plan_feed(committed: Sequence[int], known: int, skip: int, window: int, sink
         return DraftFeed(held, list(committed[known:]), skip)
     base = min(sink, held)  # the draft's first tokens are committed[:base] (the window never cuts the sink)
     return DraftFeed(base, list(committed[base:sink]) + list(committed[n - window:]), n - window - sink)
-

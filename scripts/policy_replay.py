@@ -80,10 +80,12 @@ def collect(a: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         # target greedy
         gen: list[int] = list(known.get(p["id"], []))
+        if len(gen) < a.max_new_tokens + span:  # too short to reuse (an earlier, shorter collect): run the target
+            gen = []
         cache_kv = DynamicCache(config=model.config)
         feed = ids
         with torch.inference_mode():
-            for _ in range(0 if len(gen) >= a.max_new_tokens + span else a.max_new_tokens + span):
+            for _ in range(a.max_new_tokens + span - len(gen)):
                 logits = model(input_ids=torch.tensor([feed]), past_key_values=cache_kv, use_cache=True, logits_to_keep=1).logits[0, -1]
                 nxt = int(torch.argmax(logits))
                 gen.append(nxt)
